@@ -5,7 +5,7 @@ first --batches batches once (warm-up: every shape seen, allocator and plans war
 profiles the same batches again and prints: top kernels by GPU time, the GEMM share, the
 attention share, and the idle time (wall time not covered by any kernel).
 
-    python benchmarks/profile_step.py DATA --arch ... [fairseq-train flags] [--batches 8]
+    python benchmarks/profile_step.py DATA --arch ... [fairseq-train flags] [--batches 8] [--top 25]
 """
 
 import os
@@ -17,7 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 def main():
     argv = sys.argv[1:]
-    n_batches = 8
+    n_batches, top = 8, 25
+    if "--top" in argv:
+        i = argv.index("--top")
+        top = int(argv[i + 1])
+        del argv[i:i + 2]
     if "--batches" in argv:
         i = argv.index("--batches")
         n_batches = int(argv[i + 1])
@@ -37,6 +41,9 @@ def main():
     task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
     model = task.build_model(cfg.model)
     criterion = task.build_criterion(cfg.criterion)
+    if cfg.model._name.startswith("ls_"):  # what lightseq-train runs
+        from ls_fairseq.cli.train import ls_adam_owns_master_weights  # noqa: F401  (flags already parsed)
+        from ls_fairseq.fairseq_ext.trainer import LSTrainer as Trainer
     trainer = Trainer(cfg, task, model, criterion)
     itr = trainer.get_train_iterator(epoch=1, load_dataset=False).next_epoch_itr(shuffle=True)
     batches = [b for _, b in zip(range(n_batches), itr)]
@@ -85,9 +92,10 @@ def main():
           f"wall={wall * 1e3:.1f}ms words/s={words / wall:.0f} kernel_time={total / 1e3:.1f}ms "
           f"busy={busy / 1e3:.1f}ms idle={(wall * 1e6 - busy) / 1e3:.1f}ms ({(1 - busy / (wall * 1e6)) * 100:.1f}%) "
           f"gemm_share={gemm * 100:.1f}% attention_share={attn * 100:.1f}% kernels={len(events)}")
-    print(f"{'kernel':90s} {'ms':>8s} {'%':>6s} {'calls':>6s}")
-    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]:
-        print(f"{name[:90]:90s} {t / 1e3:8.2f} {100 * t / total:6.1f} {n:6d}")
+    steps = len(batches)
+    print(f"{'kernel':90s} {'ms':>8s} {'%':>6s} {'calls':>6s} {'ms/step':>8s} {'calls/step':>10s}")
+    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{name[:90]:90s} {t / 1e3:8.2f} {100 * t / total:6.1f} {n:6d} {t / 1e3 / steps:8.3f} {n / steps:10.1f}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,14 @@ def test_layer_norm_forward_and_grad(C):
         assert torch.autograd.gradcheck(lambda *a: ops.add_layer_norm(*a, 1e-5), (xs, rs, w, b), fast_mode=True)
 
 
+def test_pre_layer_norm_returns_its_input():
+    x = rnd(2, 3, 8, seed=3, requires_grad=True)
+    w, b = rnd(8, seed=4, requires_grad=True), rnd(8, seed=5, requires_grad=True)
+    y, r = ops.pre_layer_norm(x, w, b)
+    torch.testing.assert_close(y, F.layer_norm(x, (8,), w, b, 1e-5))
+    assert r is x
+
+
 def test_layer_norm_low_precision_upcasts():
     x = rnd(4, 33, seed=5, dtype=torch.float16, scale=30)
     w, b = rnd(33, seed=6, dtype=torch.float16), rnd(33, seed=7, dtype=torch.float16)
@@ -207,6 +215,18 @@ def test_split_and_merge_heads():
     torch.testing.assert_close(ops.merge_heads(q), y[..., :C])
     assert torch.autograd.gradcheck(lambda a, b: ops.qkv_split(a, b, H), (x, bias))
     assert torch.autograd.gradcheck(lambda a: ops.merge_heads(a), (q.detach().requires_grad_(),))
+
+
+def test_merge_heads_of_token_major_input_is_a_view():
+    B, H, T, D = 2, 3, 5, 4
+    base = torch.randn(B, T, H, D, dtype=torch.float64, requires_grad=True)
+    x = base.transpose(1, 2)  # [B, H, T, D] view of token-major memory, as SDPA returns it
+    y = ops.merge_heads(x)
+    assert y.data_ptr() == base.data_ptr()
+    assert torch.equal(y, x.detach().transpose(1, 2).reshape(B, T, H * D))
+    g = torch.randn_like(y)
+    (gb,) = torch.autograd.grad(y, [base], g)
+    assert torch.equal(gb, g.view(B, T, H, D))
 
 
 @pytest.mark.parametrize("causal", [False, True])

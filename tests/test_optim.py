@@ -116,8 +116,18 @@ def test_workspace_views_ties_and_zero_grad():
     (w.sum() * 2 + b.sum() + h.float().sum()).backward()
     assert f32.grad.abs().sum() == 2 * 15 + 3 and f16.grad.float().sum() == 8
     ws.zero_grad()
-    assert w.grad is not None and w.grad.data_ptr() == f32.grad.data_ptr()
-    assert f32.grad.abs().sum() == 0 and f16.grad.abs().sum() == 0
+    assert w.grad is None and b.grad is None and h.grad is None
+    # the next backward hands over fresh tensors (no accumulation into the views) ...
+    (w.sum() * 3).backward()
+    assert w.grad.data_ptr() != f32.grad.data_ptr() and b.grad is None
+    # ... and sync copies them in, zeroing the slices of parameters that got no gradient
+    assert ws.sync() == 3
+    assert w.grad.data_ptr() == f32.grad.data_ptr() and b.grad.data_ptr() == f32.slice(f32.grad, 1).data_ptr()
+    assert torch.equal(w.grad, torch.full((5, 3), 3.0)) and b.grad.abs().sum() == 0
+    assert f16.grad.abs().sum() == 0 and h.grad.data_ptr() == f16.grad.data_ptr()
+    # accumulation across backwards without zero_grad still adds into the views
+    (w.sum()).backward()
+    assert torch.equal(w.grad, torch.full((5, 3), 4.0)) and w.grad.data_ptr() == f32.grad.data_ptr()
 
 
 def test_workspace_repairs_broken_views():

@@ -2,10 +2,10 @@
 //
 // Numerics: out = dropout(W[tok] * scale + P[pos]) computed in fp32, rounded once to the storage
 // type; dropout groups/bitmask as in common.cuh over the flat [rows, C] index.
-// Backward: the keys (tokens, or positions) are sorted stably by the adapter; one block per run of
-// equal keys sums dy[row] * keep * factor over the run's rows in fp32. The rows of a run are split
-// over the block's y-threads by a fixed rule and combined in a fixed order, so the gradient is
-// bit-identical from run to run (no atomics), and each gradient row is written once, rounded once.
+// Backward: the keys (tokens, or positions) are sorted stably by the adapter; dy[row] * keep is
+// summed in fp32 per run of equal keys, in chunks of consecutive rows that are then combined in a
+// fixed order, so the gradient is bit-identical from run to run (no atomics), and each gradient row
+// is written once (x factor), rounded once.
 #include "kernels/common.cuh"
 
 namespace ls {
@@ -88,92 +88,130 @@ void embedding_fwd(DType dt, const int64_t* tokens, const void* weight, const vo
 }
 
 // ================================================================ backward
-// Block (TX, TY) per sorted position i that starts a run of equal keys (other blocks exit at once).
-// Thread x owns 8 columns per column tile; thread y sums the run's rows j = start + y, + TY, ...
-constexpr int kEmbTY = 4;
+// Two passes over the stably sorted keys, deterministic (fixed summation order, no atomics):
+//  1. one block per chunk of kEmbChunk consecutive sorted positions sums each run segment inside
+//     its chunk (a segment starts at a run start or at a chunk start) into partial[segment start];
+//  2. one block per run start (other blocks exit at once) adds its run's segment sums in order
+//     (the run start, then every chunk start inside the run), scales and writes the gradient row.
+// A run of n equal keys (a frequent token) is thus summed by n / kEmbChunk blocks in parallel
+// and combined from n / kEmbChunk partial rows, instead of by one block over all n rows.
+constexpr int kEmbChunk = 32;
 
-template <typename T, bool VEC>
-__global__ void embedding_bwd_kernel(const T* __restrict__ dy, const uint8_t* __restrict__ mask,
-                                     const int64_t* __restrict__ keys, const int64_t* __restrict__ perm,
-                                     const int64_t* __restrict__ tokens, T* __restrict__ grad, int64_t rows, int C,
-                                     float factor, int64_t padding_idx, bool zero_pad) {
-  const int64_t start = blockIdx.x;
-  const int64_t key = keys[start];
-  if ((start > 0 && keys[start - 1] == key) || key == padding_idx) return;
-  // find the end of the run (the block cooperatively scans ahead)
-  __shared__ int64_t run_end;
-  __shared__ float sh[kEmbTY][8 * 32 * 2 + 1];
-  const int lin = threadIdx.y * blockDim.x + threadIdx.x;
-  const int nthreads = blockDim.x * blockDim.y;
-  if (lin == 0) run_end = rows;
-  __syncthreads();
-  for (int64_t base = start + 1; base < rows; base += nthreads) {
-    const int64_t j = base + lin;
-    if (j < rows && keys[j] != key) atomicMin(reinterpret_cast<unsigned long long*>(&run_end), (unsigned long long)j);
-    __syncthreads();
-    if (run_end < rows) break;
-    __syncthreads();
-  }
-  const int64_t end = run_end;
-  const int tile = blockDim.x * 8;
-  for (int ct = 0; ct < C; ct += tile) {
-    const int c0 = ct + 8 * threadIdx.x;
-    const int n = c0 < C ? min(8, C - c0) : 0;
-    float acc[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-    if (n > 0) {
-      for (int64_t j = start + threadIdx.y; j < end; j += blockDim.y) {
-        const int64_t r = perm[j];
-        if (zero_pad && tokens[r] == padding_idx) continue;
-        const int64_t i0 = r * C + c0;
-        float g[8];
-        if (VEC) load8(dy + i0, g); else load_n(dy + i0, n, g);
-        if (mask != nullptr) {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const int64_t i = i0 + k;
-            const bool keep = k < n && ((mask[i >> 3] >> (i & 7)) & 1u);
-            g[k] = keep ? g[k] : 0.f;
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[k] += g[k];
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 8; ++k) sh[threadIdx.y][8 * threadIdx.x + k] = acc[k];
-    __syncthreads();
-    if (threadIdx.y == 0 && n > 0) {
-      float o[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        float t = 0.f;
-        for (int y = 0; y < (int)blockDim.y; ++y) t += sh[y][8 * threadIdx.x + k];
-        o[k] = t * factor;
-      }
-      T* dst = grad + key * C + c0;
-      if (VEC) store8(dst, o); else store_n(dst, n, o);
-    }
+template <bool VEC>
+__device__ __forceinline__ void store_partial(float* __restrict__ p, int n, const float (&v)[8]) {
+  if (VEC) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    for (int k = 0; k < n; ++k) p[k] = v[k];
   }
 }
 
+template <bool VEC>
+__device__ __forceinline__ void add_partial(const float* __restrict__ p, int n, float (&v)[8]) {
+  if (VEC) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
+    v[4] += b.x; v[5] += b.y; v[6] += b.z; v[7] += b.w;
+  } else {
+    for (int k = 0; k < n; ++k) v[k] += p[k];
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void embedding_bwd_chunk_kernel(const T* __restrict__ dy, const uint8_t* __restrict__ mask,
+                                           const int64_t* __restrict__ keys, const int64_t* __restrict__ perm,
+                                           const int64_t* __restrict__ tokens, float* __restrict__ partial,
+                                           int64_t rows, int C, int64_t padding_idx, bool zero_pad) {
+  const int64_t j0 = (int64_t)blockIdx.x * kEmbChunk;
+  const int64_t j1 = min(rows, j0 + kEmbChunk);
+  for (int c0 = 8 * threadIdx.x; c0 < C; c0 += 8 * blockDim.x) {
+    const int n = min(8, C - c0);
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+    int64_t seg = j0, key = keys[j0];
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t kj = keys[j];
+      if (kj != key) {  // the previous segment is complete
+        if (key != padding_idx) store_partial<VEC>(partial + seg * C + c0, n, acc);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+        seg = j;
+        key = kj;
+      }
+      if (key == padding_idx) continue;
+      const int64_t r = perm[j];
+      if (zero_pad && tokens[r] == padding_idx) continue;
+      const int64_t i0 = r * C + c0;
+      float g[8];
+      if (VEC) load8(dy + i0, g); else load_n(dy + i0, n, g);
+      if (mask != nullptr) {
+        if (VEC) {  // C % 8 == 0: the 8 elements are the 8 bits of one mask byte
+          const uint32_t bits = mask[i0 >> 3];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) g[k] = ((bits >> k) & 1u) ? g[k] : 0.f;
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const int64_t i = i0 + k;
+            g[k] = (k < n && ((mask[i >> 3] >> (i & 7)) & 1u)) ? g[k] : 0.f;
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] += g[k];
+    }
+    if (key != padding_idx) store_partial<VEC>(partial + seg * C + c0, n, acc);
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void embedding_bwd_finalize_kernel(const float* __restrict__ partial, const int64_t* __restrict__ keys,
+                                              T* __restrict__ grad, int64_t rows, int C, float factor,
+                                              int64_t padding_idx) {
+  const int64_t s = blockIdx.x;
+  const int64_t key = keys[s];
+  if ((s > 0 && keys[s - 1] == key) || key == padding_idx) return;
+  for (int c0 = 8 * threadIdx.x; c0 < C; c0 += 8 * blockDim.x) {
+    const int n = min(8, C - c0);
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+    add_partial<VEC>(partial + s * C + c0, n, acc);
+    for (int64_t seg = (s / kEmbChunk + 1) * kEmbChunk; seg < rows && keys[seg] == key; seg += kEmbChunk)
+      add_partial<VEC>(partial + seg * C + c0, n, acc);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] *= factor;
+    T* dst = grad + key * C + c0;
+    if (VEC) store8(dst, acc); else store_n(dst, n, acc);
+  }
+}
+
+int64_t embedding_bwd_workspace_floats(int64_t rows, int C) { return rows * (int64_t)C; }
+
 void embedding_bwd(DType dt, const void* dy, const uint8_t* mask, const int64_t* sorted_keys, const int64_t* perm,
-                   const int64_t* tokens, void* grad, int64_t rows, int C, float factor, int64_t padding_idx,
-                   bool zero_pad, cudaStream_t stream) {
+                   const int64_t* tokens, void* grad, float* workspace, int64_t rows, int C, float factor,
+                   int64_t padding_idx, bool zero_pad, cudaStream_t stream) {
   if (rows <= 0 || C <= 0) return;
   if (rows > 0x7fffffffLL) throw std::runtime_error("embedding backward: too many rows");
-  const bool vec = C % 8 == 0 && aligned16(dy) && aligned16(grad);
-  int tx = std::min(64, ((C + 7) / 8 + 31) / 32 * 32);
-  const dim3 block(tx, kEmbTY);
+  const bool vec = C % 8 == 0 && aligned16(dy) && aligned16(grad) && aligned16(workspace);
+  const int threads = std::min(128, ((C + 7) / 8 + 31) / 32 * 32);
+  const unsigned chunks = (unsigned)((rows + kEmbChunk - 1) / kEmbChunk);
   LS_DISPATCH(dt, T, {
-    if (vec)
-      embedding_bwd_kernel<T, true><<<(unsigned)rows, block, 0, stream>>>(static_cast<const T*>(dy), mask, sorted_keys,
-          perm, tokens, static_cast<T*>(grad), rows, C, factor, padding_idx, zero_pad);
-    else
-      embedding_bwd_kernel<T, false><<<(unsigned)rows, block, 0, stream>>>(static_cast<const T*>(dy), mask, sorted_keys,
-          perm, tokens, static_cast<T*>(grad), rows, C, factor, padding_idx, zero_pad);
+    if (vec) {
+      embedding_bwd_chunk_kernel<T, true><<<chunks, threads, 0, stream>>>(static_cast<const T*>(dy), mask,
+          sorted_keys, perm, tokens, workspace, rows, C, padding_idx, zero_pad);
+      LS_CHECK_LAUNCH("embedding_bwd (chunks)", stream);
+      embedding_bwd_finalize_kernel<T, true><<<(unsigned)rows, threads, 0, stream>>>(workspace, sorted_keys,
+          static_cast<T*>(grad), rows, C, factor, padding_idx);
+    } else {
+      embedding_bwd_chunk_kernel<T, false><<<chunks, threads, 0, stream>>>(static_cast<const T*>(dy), mask,
+          sorted_keys, perm, tokens, workspace, rows, C, padding_idx, zero_pad);
+      LS_CHECK_LAUNCH("embedding_bwd (chunks)", stream);
+      embedding_bwd_finalize_kernel<T, false><<<(unsigned)rows, threads, 0, stream>>>(workspace, sorted_keys,
+          static_cast<T*>(grad), rows, C, factor, padding_idx);
+    }
     LS_CHECK_LAUNCH("embedding_bwd", stream);
   });
 }

@@ -74,10 +74,12 @@ Tensor embedding_bwd(const Tensor& dy, const OptTensor& mask, const Tensor& keys
   if (rows == 0) return grad;
   auto sorted = at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   Tensor skeys = std::get<0>(sorted).contiguous(), perm = std::get<1>(sorted).contiguous();
+  const int c = checked_int(op, "C", C);
+  Tensor workspace = at::empty({ls::embedding_bwd_workspace_floats(rows, c)}, dy.options().dtype(at::kFloat));
   launch(op, [&] {
     ls::embedding_bwd(dt, dy.data_ptr(), present(mask) ? mask->data_ptr<uint8_t>() : nullptr,
                       skeys.data_ptr<int64_t>(), perm.data_ptr<int64_t>(), tok.data_ptr<int64_t>(), grad.data_ptr(),
-                      rows, checked_int(op, "C", C), (float)factor, padding_idx, zero_pad, stream());
+                      workspace.data_ptr<float>(), rows, c, (float)factor, padding_idx, zero_pad, stream());
   });
   return grad;
 }

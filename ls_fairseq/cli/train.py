@@ -87,7 +87,20 @@ def _train_main(cfg, **kwargs):
     from fairseq_cli import train as fairseq_train
 
     patch_fp16_optimizer_for_bf16()
+    use_ls_trainer(fairseq_train)
     return fairseq_train.main(cfg, **kwargs)
+
+
+def use_ls_trainer(fairseq_train_module) -> bool:
+    """Let fairseq's training loop build LSTrainer (fewer host stalls per step; same updates).
+
+    ``LS_FAIRSEQ_PLAIN_TRAINER=1`` keeps fairseq's Trainer. Returns True when it switched."""
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer, plain_trainer_requested
+
+    if plain_trainer_requested():
+        return False
+    fairseq_train_module.Trainer = LSTrainer
+    return True
 
 
 def _modify_parser(parser: argparse.ArgumentParser) -> None:

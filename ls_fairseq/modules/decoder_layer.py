@@ -54,15 +54,13 @@ class DecoderLayer(EncoderLayer):
 
     def forward(self, x, cross_k, cross_v, encoder_padding_mask=None, self_attn_padding_mask=None,
                 cache: Optional[Dict[str, torch.Tensor]] = None):
-        residual = x
-        h = self.self_attn_layer_norm(x) if self.normalize_before else x
+        h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=self_attn_padding_mask, cache=cache)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
 
-        residual = x
-        h = self.encoder_attn_layer_norm(x) if self.normalize_before else x
+        h, residual = self.encoder_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.encoder_attn(h, cross_k, cross_v, key_padding_mask=encoder_padding_mask)
         x = ops.bias_dropout_residual(h, self.encoder_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:

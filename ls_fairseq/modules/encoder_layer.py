@@ -35,8 +35,7 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x, key_padding_mask=None):
         """x [B, T, C]; key_padding_mask [B, T] (True = pad) or None."""
-        residual = x
-        h = self.self_attn_layer_norm(x) if self.normalize_before else x
+        h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=key_padding_mask)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
@@ -44,8 +43,7 @@ class EncoderLayer(nn.Module):
         return self.ffn(x)
 
     def ffn(self, x):
-        residual = x
-        h = self.final_layer_norm(x) if self.normalize_before else x
+        h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = F.linear(h, self.fc1.weight)
         h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
         h = F.linear(h, self.fc2.weight)

@@ -17,5 +17,9 @@ class LayerNorm(nn.Module):
     def forward(self, x):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
+    def with_input(self, x):
+        """(layer_norm(x), x): use the second as the residual of a pre-LN block (one fused backward)."""
+        return ops.pre_layer_norm(x, self.weight, self.bias, self.eps)
+
     def extra_repr(self):
         return f"{self.dim}, eps={self.eps}"

@@ -63,6 +63,13 @@ def merge_heads_reference(x):
 def merge_heads(x):
     if x.dim() != 4:
         raise ValueError(f"merge_heads: expected [batch, heads, length, head_dim], got {tuple(x.shape)}")
+    B, H, T, D = x.shape
+    token_major = x.transpose(1, 2)
+    if token_major.is_contiguous():
+        # SDPA's flash and memory-efficient kernels write their output token-major ([B, T, H, D]
+        # in memory) and hand back a transposed view: the merge is then free, and so is its
+        # backward, whose gradient arrives in exactly the layout the attention backward reads.
+        return token_major.view(B, T, H * D)
     mod = kernel_module("merge_heads", x)
     if mod is not None:
         return _fused_merge(mod, x)

@@ -47,6 +47,40 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
     return add_layer_norm_reference(x, residual, weight, bias, eps)
 
 
+def pre_layer_norm(x, weight, bias, eps: float = 1e-5):
+    """(layer_norm(x), x) for a pre-LN block, whose input is also its residual.
+
+    Use the second output as the residual: both gradients then reach ONE backward call and the
+    kernel adds the residual's gradient into dx in the same pass (otherwise autograd sums the
+    two branches of x with an extra kernel per block)."""
+    _check(x, weight, bias)
+    mod = kernel_module("layer_norm", x, weight, bias)
+    if mod is not None and 0 < x.shape[-1] <= KERNEL_MAX_C:
+        return _PreLayerNormFn.apply(x, weight, bias, eps)
+    return layer_norm_reference(x, weight, bias, eps), x
+
+
+class _PreLayerNormFn(torch.autograd.Function):
+    """layer norm returning its input too; backward: dx = layer_norm_bwd(dy) + d(input passed on)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        xc = x.contiguous()
+        y, _s, mean, rstd = call("layer_norm_fwd", xc, None, weight, bias, float(eps))
+        ctx.save_for_backward(xc, weight, mean, rstd)
+        ctx.param_dtypes = (weight.dtype, bias.dtype)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gy, gx):
+        xin, weight, mean, rstd = ctx.saved_tensors
+        if gy is None:
+            return gx, None, None, None
+        dsum = gx.contiguous() if gx is not None else None
+        dx, dg, db = call("layer_norm_bwd", gy.contiguous(), dsum, xin, weight, mean, rstd)
+        return dx, dg.to(ctx.param_dtypes[0]), db.to(ctx.param_dtypes[1]), None
+
+
 class _LayerNormFn(torch.autograd.Function):
     """Fused (add +) layer norm. Saves the normalised input (x, or x + residual), mean and rstd."""
 

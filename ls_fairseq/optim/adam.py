@@ -119,8 +119,9 @@ class LSAdam(torch.optim.Optimizer):
             self._grad_factor = self._grad_factor * clip_coef
         return total
 
-    def zero_grad(self, set_to_none: bool = False):
-        """Zero the flat gradient buffers. ``p.grad`` stays a view; ``set_to_none`` is ignored."""
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the gradients: ``p.grad`` becomes None (``set_to_none`` is ignored); the flat
+        buffers are refilled from the next backward's gradients when they are read."""
         for ws in self._workspaces:
             ws.zero_grad()
         self._grad_factor = 1.0

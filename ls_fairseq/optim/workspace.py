@@ -3,7 +3,9 @@
 For every (device, dtype) among the parameters the workspace owns:
 
 * ``param``  one contiguous buffer; every ``p.data`` becomes a view of its slice;
-* ``grad``   one contiguous buffer of the same dtype; every ``p.grad`` is a view of its slice;
+* ``grad``   one contiguous buffer of the same dtype; after :meth:`FlatWorkspace.sync` every
+             ``p.grad`` is a view of its slice (between ``zero_grad`` and the next sync,
+             ``p.grad`` is None or the tensor autograd produced);
 * ``master`` fp32 master weights. For fp32 parameters this IS ``param`` (no copy);
              for fp16 / bf16 parameters it is a separate fp32 buffer;
 * ``exp_avg``, ``exp_avg_sq`` fp32 optimizer moments.
@@ -111,10 +113,14 @@ class FlatBuffer:
 
         With ``keep_grads`` a gradient tensor that is not our view is copied into the flat
         buffer (and a missing one zeroes its slice); without, views are only re-attached.
+        The copies of one call go out as one multi-tensor copy (a handful of kernels for all
+        parameters, not one each): after :meth:`FlatWorkspace.zero_grad` every gradient is a
+        fresh tensor that autograd handed over without an accumulation kernel.
         """
         repaired = 0
         base_p, base_g = self.param.data_ptr(), self.grad.data_ptr()
         esize = self.param.element_size()
+        copy_dst, copy_src, zero_dst = [], [], []
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 o, k = self.offsets[i]
@@ -139,15 +145,21 @@ class FlatBuffer:
                     fixed = True
                 g = p.grad
                 if g is None or g.data_ptr() != base_g + o * esize or g.dtype != self.dtype:
+                    view = self.grad_view(i)
                     if keep_grads:
                         if g is None:
-                            self.grad[o:o + k].zero_()
+                            zero_dst.append(view)
                         else:
-                            self.grad[o:o + k].copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
-                    p.grad = self.grad_view(i)
+                            copy_dst.append(view)
+                            copy_src.append(g.to_dense() if g.is_sparse else g)
+                    p.grad = view
                     fixed = True
                 self._versions[i] = p._version
                 repaired += int(fixed)
+            if copy_dst:
+                torch._foreach_copy_(copy_dst, copy_src)
+            if zero_dst:
+                torch._foreach_zero_(zero_dst)
         return repaired
 
     def mark_params_written(self):
@@ -194,10 +206,15 @@ class FlatWorkspace:
         return sum(buf.sync() for buf in self.buffers)
 
     def zero_grad(self):
-        """Zero the flat gradient buffers; ``p.grad`` stays a view (never None)."""
-        for buf in self.buffers:
-            buf.grad.zero_()
-            buf.sync(keep_grads=False)
+        """Set every ``p.grad`` to None (the flat buffers are refilled by the next :meth:`sync`).
+
+        The backward then hands each parameter its fresh gradient tensor as is, where an
+        existing ``p.grad`` view would cost one accumulation kernel per parameter; the next
+        :meth:`sync` (the optimizer calls it before reading gradients) copies them all into
+        the flat buffer at once and zeroes the slices of parameters that got no gradient.
+        """
+        for p in self.params:
+            p.grad = None
 
     def mark_params_written(self):
         for buf in self.buffers:

@@ -56,3 +56,19 @@ def test_merge_heads_is_exact(dtype, shape):
     g = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, [x], g)
     assert torch.equal(gx, g.view(B, T, H, D).transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_heads_of_sdpa_output_is_a_free_view(dtype):
+    """SDPA's flash / efficient output is token-major: merge_heads returns a view, no kernel."""
+    B, H, T, D = 3, 4, 17, 64
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    y = merge_heads(out)
+    assert y.data_ptr() == out.data_ptr()
+    assert torch.equal(y, merge_heads_reference(out.detach()))
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [q, k, v], g)
+    ref = torch.autograd.grad(merge_heads_reference(out), [q, k, v], g)
+    for a, b in zip(grads, ref):
+        assert torch.equal(a, b)

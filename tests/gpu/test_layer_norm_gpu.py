@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ls_fairseq.ops import add_layer_norm, layer_norm
+from ls_fairseq.ops import add_layer_norm, layer_norm, pre_layer_norm
 from ls_fairseq.ops.layer_norm import add_layer_norm_reference, layer_norm_reference
 from ._tols import DTYPES, assert_close_to_gold
 
@@ -73,6 +73,36 @@ def test_layer_norm_matches_reference(dtype, C, rows, residual):
         assert_close_to_gold(*outs, dtype, "out")
     for k, (a, l, g) in enumerate(zip(fg, lg, gg)):
         assert_close_to_gold(a, l, g, dtype, f"grad{k}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("C", [7, 1024])
+def test_pre_layer_norm_adds_the_residual_gradient(dtype, C):
+    """(ln(x), x): the input's gradient is the layer norm's plus the pass-through's, in one kernel."""
+    torch.manual_seed(C)
+    x0 = torch.randn(3, 37, C, device="cuda") * 2 + 0.5
+    w0, b0 = torch.rand(C, device="cuda") + 0.5, torch.randn(C, device="cuda") * 0.1
+    gy, gr = torch.randn(3, 37, C, device="cuda"), torch.randn(3, 37, C, device="cuda")
+    results = {}
+    for name, dt in (("fused", dtype), ("lowp", dtype), ("gold", torch.float64)):
+        cast = (lambda t: t.to(dtype).double()) if dt == torch.float64 else (lambda t: t.to(dt))
+        x, w, b = _leaf(cast(x0), dt), _leaf(cast(w0), dt), _leaf(cast(b0), dt)
+        if name == "fused":
+            y, r = pre_layer_norm(x, w, b)
+            assert r.data_ptr() == x.data_ptr()
+        else:
+            y, r = (_gold_ln(x, w, b) if name == "gold" else layer_norm_reference(x, w, b)), x
+        loss = (y.double() * cast(gy).double()).sum() + (r.double() * cast(gr).double()).sum()
+        results[name] = (y, torch.autograd.grad(loss, [x, w, b]))
+    (fo, fg), (lo, lg), (go, gg) = results["fused"], results["lowp"], results["gold"]
+    assert_close_to_gold(fo, lo, go, dtype, "out")
+    for k in range(3):
+        assert_close_to_gold(fg[k], lg[k], gg[k], dtype, f"grad{k}")
+    # only the pass-through used: the layer norm's backward is skipped, dx is that gradient
+    x = _leaf(x0.to(dtype), dtype)
+    y, r = pre_layer_norm(x, _leaf(w0.to(dtype), dtype), _leaf(b0.to(dtype), dtype))
+    (dx,) = torch.autograd.grad((r.float() * gr).sum(), [x])
+    torch.testing.assert_close(dx, gr.to(dtype))
 
 
 def test_layer_norm_3d_and_mixed_param_dtype():

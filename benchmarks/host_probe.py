@@ -1,0 +1,168 @@
+"""Where the host time of a training step goes (GPU machine).
+
+Takes fairseq-train flags (plus --user-dir for ls models). Loads --batches batches once,
+warms up on them, then reports for the steady state:
+
+* STEP    mean wall ms per trainer.train_step, with fairseq's Trainer and with LSTrainer;
+* PHASE   host ms (time until the Python call returns) and GPU ms (until the GPU is done)
+          of forward, backward and optimizer step, each measured after a synchronize: where
+          host ms is close to GPU ms, the phase is host-bound;
+* SYNC    host<->device synchronisations inside one train_step and where they come from;
+* CPROF   the Python functions with the most own time over the batches (backward runs on the
+          calling thread here so its Python shows up).
+
+    python benchmarks/host_probe.py DATA --arch ... [fairseq-train flags] [--batches 12] [--skip-cprofile]
+"""
+
+import cProfile
+import collections
+import io
+import os
+import pstats
+import sys
+import time
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _pop(argv, name, default, cast):
+    if name in argv:
+        i = argv.index(name)
+        v = cast(argv[i + 1])
+        del argv[i:i + 2]
+        return v
+    return default
+
+
+def main():
+    argv = sys.argv[1:]
+    n_batches = _pop(argv, "--batches", 12, int)
+    skip_cprofile = "--skip-cprofile" in argv
+    if skip_cprofile:
+        argv.remove("--skip-cprofile")
+    import torch
+
+    import ls_fairseq.fairseq_ext  # noqa: F401
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    from ls_fairseq.cli.train import ls_adam_owns_master_weights
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    ls_adam_owns_master_weights(args)
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    name = cfg.model._name
+    cuda = torch.cuda.is_available() and not cfg.common.cpu
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    results = {}
+    for kind, cls in (("plain", Trainer), ("ls", LSTrainer)):
+        trainer = cls(cfg, task, model, criterion)
+        itr = trainer.get_train_iterator(epoch=1, load_dataset=False).next_epoch_itr(shuffle=True)
+        batches = [b for _, b in zip(range(n_batches), itr)]
+
+        def run():
+            for b in batches:
+                trainer.train_step([b])
+
+        run()
+        run()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            run()
+        sync()
+        results[kind] = (time.perf_counter() - t0) / (3 * len(batches)) * 1e3
+        print(f"STEP {name} trainer={kind} ms/step={results[kind]:.2f}", flush=True)
+    print(f"STEP {name} plain/ls={results['plain'] / results['ls']:.3f}", flush=True)
+
+    # ---------------------------------------------------------------- phases
+    sums = collections.defaultdict(float)
+    for b in batches:
+        sample, _ = trainer._prepare_sample(b)
+        trainer.model.train()
+        trainer.zero_grad()
+        sync()
+        t0 = time.perf_counter()
+        loss, sample_size, _ = criterion(trainer.model, sample)
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        trainer.optimizer.backward(loss)
+        t3 = time.perf_counter()
+        sync()
+        t4 = time.perf_counter()
+        trainer.optimizer.multiply_grads(1.0 / float(sample_size))
+        gn = trainer.optimizer.clip_grad_norm(0.0)
+        trainer.optimizer.step()
+        t5 = time.perf_counter()
+        sync()
+        t6 = time.perf_counter()
+        del gn
+        sums["fwd_host"] += t1 - t0
+        sums["fwd_gpu"] += t2 - t0
+        sums["bwd_host"] += t3 - t2
+        sums["bwd_gpu"] += t4 - t2
+        sums["opt_host"] += t5 - t4
+        sums["opt_gpu"] += t6 - t4
+    n = len(batches)
+    print("PHASE " + " ".join(f"{k}={v / n * 1e3:.2f}ms" for k, v in sums.items()), flush=True)
+
+    # ------------------------------------------------------------------ syncs
+    where = collections.Counter()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if ("fairseq" in f.filename or "ls_fairseq" in f.filename) and "warnings" not in f.filename]
+        key = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in frames[-3:][::-1])
+        where[f"{str(message)[:60]} @ {key}"] += 1
+
+    old = warnings.showwarning
+    warnings.showwarning = showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = showwarning
+        if cuda:
+            torch.cuda.set_sync_debug_mode(1)
+        try:
+            for b in batches[:2]:
+                trainer.train_step([b])
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    warnings.showwarning = old
+    print(f"SYNC total over 2 steps: {sum(where.values())}")
+    for k, v in where.most_common(20):
+        print(f"SYNC {v:4d}  {k}")
+    sys.stdout.flush()
+
+    if skip_cprofile:
+        return
+    torch.autograd.set_multithreading_enabled(False)
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for b in batches:
+        trainer.train_step([b])
+    sync()
+    prof.disable()
+    s = io.StringIO()
+    st = pstats.Stats(prof, stream=s).sort_stats("tottime")
+    st.print_stats(45)
+    print("CPROF tottime\n" + s.getvalue()[-12000:])
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(40)
+    print("CPROF cumtime\n" + s.getvalue()[-9000:])
+
+
+if __name__ == "__main__":
+    main()

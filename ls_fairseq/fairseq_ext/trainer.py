@@ -1,0 +1,123 @@
+"""LSTrainer: fairseq's Trainer without the per-step host stalls that do not change training.
+
+lightseq-train runs fairseq's own training loop with this subclass in place of
+``fairseq.trainer.Trainer``. Every update is computed exactly as fairseq computes it; what
+changes is only when the host waits for the GPU:
+
+* batches are copied to the GPU from pinned memory. fairseq's ``move_to_cuda`` asks for a
+  non-blocking copy, but from ordinary (pageable) memory the CUDA driver first waits for the
+  whole stream to drain, so every step began with an empty GPU queue;
+* the per-step statistics stay on the GPU. fairseq turns every meter of the step into a
+  Python float (one device-to-host copy each) to build the dictionary ``train_step``
+  returns, which fairseq's loop only tests against ``None``; the dictionary is now built when
+  something reads it. The meters themselves are logged exactly as before and are read at
+  ``--log-interval`` as usual.
+
+Nothing else differs; ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fairseq's
+Trainer unchanged (for comparisons).
+"""
+
+import os
+from collections.abc import Mapping
+
+import torch
+from fairseq import metrics, utils
+from fairseq.trainer import Trainer
+
+
+def plain_trainer_requested() -> bool:
+    return os.environ.get("LS_FAIRSEQ_PLAIN_TRAINER") == "1"
+
+
+def pin_sample(sample):
+    """Pin every CPU tensor of a (nested) sample so its copy to the GPU is asynchronous."""
+
+    def _pin(t):
+        if t.device.type == "cpu" and not t.is_pinned():
+            return t.pin_memory()
+        return t
+
+    return utils.apply_to_sample(_pin, sample)
+
+
+class DeferredLoggingOutput(Mapping):
+    """The dictionary ``train_step`` returns, computed from the step's meters on first read."""
+
+    def __init__(self, agg, sample_size):
+        self._agg = agg
+        self._sample_size = sample_size
+        self._values = None
+
+    def _get(self):
+        if self._values is None:
+            values = self._agg.get_smoothed_values()
+            values["sample_size"] = self._sample_size
+            for key in ("ppl", "wps", "wpb", "bsz"):
+                values.pop(key, None)
+            self._values = values
+            self._agg = None
+        return self._values
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self):
+        return len(self._get())
+
+    def __repr__(self):
+        return repr(self._get())
+
+
+class LSTrainer(Trainer):
+    def _prepare_sample(self, sample, is_dummy=False):
+        if (
+            self.cuda
+            and not self.pipeline_model_parallel
+            and isinstance(sample, dict)
+            and len(sample) > 0
+            and torch.cuda.is_available()
+        ):
+            sample = pin_sample(sample)
+        return super()._prepare_sample(sample, is_dummy)
+
+    def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
+        if self.tpu:
+            return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
+        if grad_norm is not None:
+            # Outside --amp a non-finite norm never gets here (fp16: OverflowError, which sets it
+            # to 0; otherwise FloatingPointError), so fairseq's host-side test is needed only then.
+            finite = True
+            if torch.is_tensor(grad_norm) and self.cfg.common.amp:
+                finite = bool(torch.isfinite(grad_norm))
+            if finite:
+                metrics.log_speed("ups", 1.0, priority=100, round=2)
+                metrics.log_scalar("gnorm", grad_norm, priority=400, round=3)
+                clip = self.cfg.optimization.clip_norm
+                if clip > 0:
+                    if torch.is_tensor(grad_norm):
+                        clipped = torch.where(grad_norm > clip, grad_norm.new_tensor(100), grad_norm.new_tensor(0))
+                    else:
+                        clipped = 100.0 if grad_norm > clip else 0.0
+                    metrics.log_scalar("clip", clipped, priority=500, round=1)
+
+        with metrics.aggregate() as agg:
+            if logging_outputs is not None:
+                self.task.reduce_metrics(logging_outputs, self.get_criterion())
+                del logging_outputs
+            if "loss" not in agg:
+                if "loss" not in self._warn_once:
+                    self._warn_once.add("loss")
+                    self._warn_missing_loss()
+                metrics.log_scalar("loss", -1)
+        return DeferredLoggingOutput(agg, sample_size)
+
+    @staticmethod
+    def _warn_missing_loss():
+        import logging
+
+        logging.getLogger("fairseq.trainer").warning(
+            "Criterion.reduce_metrics did not log a 'loss' value, which may break some functionality"
+        )
