@@ -5,7 +5,7 @@ first --batches batches once (warm-up: every shape seen, allocator and plans war
 profiles the same batches again and prints: top kernels by GPU time, the GEMM share, the
 attention share, and the idle time (wall time not covered by any kernel).
 
-    python benchmarks/profile_step.py DATA --arch ... [fairseq-train flags] [--batches 8] [--top 25]
+    python benchmarks/profile_step.py DATA --arch ... [fairseq-train flags] [--batches 8] [--top 25] [--copies]
 """
 
 import os
@@ -18,6 +18,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 def main():
     argv = sys.argv[1:]
     n_batches, top = 8, 25
+    copies = "--copies" in argv
+    if copies:
+        argv.remove("--copies")
     if "--top" in argv:
         i = argv.index("--top")
         top = int(argv[i + 1])
@@ -96,6 +99,26 @@ def main():
     print(f"{'kernel':90s} {'ms':>8s} {'%':>6s} {'calls':>6s} {'ms/step':>8s} {'calls/step':>10s}")
     for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{name[:90]:90s} {t / 1e3:8.2f} {100 * t / total:6.1f} {n:6d} {t / 1e3 / steps:8.3f} {n / steps:10.1f}")
+
+
+    if copies:
+        _copy_origins(run, torch, ProfilerActivity, profile)
+
+
+def _copy_origins(run, torch, ProfilerActivity, profile):
+    """Which Python lines issue the copy / fill / add ops of a step (--copies)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = {"aten::copy_", "aten::clone", "aten::_to_copy", "aten::add_", "aten::add", "aten::fill_",
+             "aten::zero_", "aten::cat", "aten::stack", "aten::sum", "aten::mul"}
+    rows = [e for e in prof.key_averages(group_by_stack_n=5) if e.key in names]
+    rows.sort(key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))
+    print("COPIES op count device_ms stack")
+    for e in rows[:25]:
+        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e3
+        frames = " <- ".join(f.split("/")[-1] for f in (e.stack or [])[:5])
+        print(f"COPIES {e.key} {e.count} {t:.2f} {frames}")
 
 
 if __name__ == "__main__":

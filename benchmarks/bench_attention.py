@@ -1,0 +1,101 @@
+"""Attention forward + backward at the (batch, length) shapes fairseq's --max-tokens batching makes.
+
+For each length T (batch = tokens // T; 16 heads of 64, fp16, dropout 0.1) and each mask kind
+(none, causal, key padding) it times, in GPU ms per fwd+bwd (CUDA events, median of 3 x 10):
+
+* ls      ls_fairseq.ops.attention (whatever it dispatches to);
+* flash   SDPA restricted to flash / memory-efficient (what ops.attention used before);
+* math    SDPA's math backend;
+* gemm    the batched GEMMs of an explicit-scores attention alone (2 forward, 4 backward): the
+          floor of a scores-materialising implementation.
+
+    python benchmarks/bench_attention.py [--tokens 8192] [--lengths 16,32,64,128,256]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def timed(fn, reps=10):
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return sorted(out)[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--lengths", default="16,32,48,64,96,128,192,256")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--p", type=float, default=0.1)
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ls_fairseq import ops
+
+    H, D, p = args.heads, args.head_dim, args.p
+    print(f"{'T':>4} {'B':>5} {'mask':>8} {'ls':>8} {'flash':>8} {'math':>8} {'gemm':>8}  ls/flash")
+    for T in (int(t) for t in args.lengths.split(",")):
+        B = max(1, args.tokens // T)
+        for kind in ("none", "causal", "padding"):
+            q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.float16, requires_grad=True)
+                       for _ in range(3))
+            g = torch.randn(B, H, T, D, device="cuda", dtype=torch.float16)
+            kpm = None
+            if kind == "padding":
+                lengths = torch.randint(max(1, T // 2), T + 1, (B,), device="cuda")
+                kpm = torch.arange(T, device="cuda")[None, :] >= lengths[:, None]
+            causal = kind == "causal"
+
+            def run_ls():
+                out = ops.attention(q, k, v, key_padding_mask=kpm, causal=causal, p=p, training=True)
+                torch.autograd.grad(out, (q, k, v), g)
+
+            def sdpa(backends):
+                def run():
+                    mask = ops.attention.__globals__["_attn_mask"](q, k, kpm, causal)
+                    with sdpa_kernel(backends):
+                        if mask is None:
+                            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+                        else:
+                            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+                    torch.autograd.grad(out, (q, k, v), g)
+                return run
+
+            q2, k2, v2 = (t.detach().reshape(B * H, T, D) for t in (q, k, v))
+            s = torch.empty(B * H, T, T, device="cuda", dtype=torch.float16)
+
+            def run_gemm():
+                torch.bmm(q2, k2.transpose(1, 2), out=s)
+                o = torch.bmm(s, v2)
+                torch.bmm(s.transpose(1, 2), o)  # dV
+                ds = torch.bmm(o, v2.transpose(1, 2))  # dP
+                torch.bmm(ds, k2)  # dQ
+                torch.bmm(ds.transpose(1, 2), q2)  # dK
+
+            row = [timed(run_ls), timed(sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])),
+                   timed(sdpa([SDPBackend.MATH])), timed(run_gemm)]
+            print(f"{T:4d} {B:5d} {kind:>8} " + " ".join(f"{x:8.3f}" for x in row) + f"  {row[0] / row[1]:.2f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
