@@ -2,6 +2,8 @@
 //
 //   split:  x [B, T, n*H*D] (+ bias [n*H*D])  ->  out [n, B, H, T, D]     (q, k, v = out[0..n))
 //   merge:  x [B, H, T, D]                    ->  out [B, T, H*D]         (= split backward, n = 1)
+// token_major: the [B, H, T, D] tensors are stored [B, T, H, D] (the layout SDPA's kernels read and
+// write natively; the split is then a de-interleave, and its backward an interleave).
 // Numerics: the bias add is done in fp32 and rounded once. The backward of split writes
 // dx [B, T, n*H*D] and the bias gradient as the fp32 column sum over B*T rows (colsum.cuh).
 // Each thread moves 8 consecutive elements of one head row (vector access when D % 8 == 0).
@@ -12,7 +14,7 @@ namespace ls {
 // ================================================================ split forward
 template <typename T, bool VEC>
 __global__ void split_heads_kernel(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ out,
-                                   int B, int T_, int n, int H, int D) {
+                                   int B, int T_, int n, int H, int D, bool token_major) {
   const int W = n * H * D;
   const int64_t total = (int64_t)B * T_ * W;
   const int64_t groups = (total + 7) / 8;
@@ -31,7 +33,8 @@ __global__ void split_heads_kernel(const T* __restrict__ x, const T* __restrict_
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] += bv[k];
       }
-      store8(out + ((((int64_t)part * B + b) * H + h) * T_ + t) * D + d, v);
+      store8(out + (token_major ? ((int64_t)part * B * T_ + bt) * (H * D) + rem
+                                : ((((int64_t)part * B + b) * H + h) * T_ + t) * D + d), v);
     } else {
       for (int k = 0; k < 8; ++k) {
         const int64_t i = i0 + k;
@@ -42,14 +45,15 @@ __global__ void split_heads_kernel(const T* __restrict__ x, const T* __restrict_
         const int part = j / (H * D), rem = j - part * H * D, h = rem / D, d = rem - h * D;
         float v = to_f(x[i]);
         if (bias != nullptr) v += to_f(bias[j]);
-        out[((((int64_t)part * B + b) * H + h) * T_ + t) * D + d] = from_f<T>(v);
+        out[token_major ? ((int64_t)part * B * T_ + bt) * (H * D) + rem
+                        : ((((int64_t)part * B + b) * H + h) * T_ + t) * D + d] = from_f<T>(v);
       }
     }
   }
 }
 
 void split_heads_fwd(DType dt, const void* x, const void* bias, void* out, int B, int T_, int n, int H, int D,
-                     cudaStream_t stream) {
+                     bool token_major, cudaStream_t stream) {
   const int64_t total = (int64_t)B * T_ * n * H * D;
   if (total <= 0) return;
   const bool vec = D % 8 == 0 && aligned16(x) && aligned16(out) && (bias == nullptr || aligned16(bias));
@@ -58,10 +62,10 @@ void split_heads_fwd(DType dt, const void* x, const void* bias, void* out, int B
   LS_DISPATCH(dt, T, {
     if (vec)
       split_heads_kernel<T, true><<<blocks, threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(bias),
-                                                                  static_cast<T*>(out), B, T_, n, H, D);
+                                                                  static_cast<T*>(out), B, T_, n, H, D, token_major);
     else
       split_heads_kernel<T, false><<<blocks, threads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(bias),
-                                                                   static_cast<T*>(out), B, T_, n, H, D);
+                                                                   static_cast<T*>(out), B, T_, n, H, D, token_major);
     LS_CHECK_LAUNCH("split_heads_fwd", stream);
   });
 }
@@ -69,9 +73,14 @@ void split_heads_fwd(DType dt, const void* x, const void* bias, void* out, int B
 // ================================================================ split backward / merge forward
 template <typename T>
 struct MergeOp {
-  const T* src[3];  // [B, H, T, D] each, nullptr = zeros
+  const T* src[3];  // [B, H, T, D] (or [B, T, H, D] if token_major) each, nullptr = zeros
   T* dx;            // [B, T, n*H*D]
   int T_, H, D, W;
+  bool token_major;
+
+  __device__ __forceinline__ int64_t src_index(int64_t r, int b, int t, int h, int d) const {
+    return token_major ? r * (H * D) + h * D + d : (((int64_t)b * H + h) * T_ + t) * D + d;
+  }
 
   template <bool VEC>
   __device__ __forceinline__ void apply(int64_t r, int c0, int n, float (&v)[1][8]) const {
@@ -81,7 +90,7 @@ struct MergeOp {
       const int part = c0 / (H * D), rem = c0 - part * H * D, h = rem / D, d = rem - h * D;
       const T* s = src[part];
       if (s != nullptr) {
-        load8(s + (((int64_t)b * H + h) * T_ + t) * D + d, g);
+        load8(s + src_index(r, b, t, h, d), g);
       } else {
 #pragma unroll
         for (int k = 0; k < 8; ++k) g[k] = 0.f;
@@ -95,7 +104,7 @@ struct MergeOp {
           const int c = c0 + k;
           const int part = c / (H * D), rem = c - part * H * D, h = rem / D, d = rem - h * D;
           const T* s = src[part];
-          if (s != nullptr) g[k] = to_f(s[(((int64_t)b * H + h) * T_ + t) * D + d]);
+          if (s != nullptr) g[k] = to_f(s[src_index(r, b, t, h, d)]);
           dx[r * W + c] = from_f<T>(g[k]);
         }
       }
@@ -106,14 +115,14 @@ struct MergeOp {
 };
 
 void split_heads_bwd(DType dt, const void* dout0, const void* dout1, const void* dout2, void* dx, void* dbias,
-                     float* workspace, int B, int T_, int n, int H, int D, cudaStream_t stream) {
+                     float* workspace, int B, int T_, int n, int H, int D, bool token_major, cudaStream_t stream) {
   const int W = n * H * D;
   const int64_t rows = (int64_t)B * T_;
   const bool vec = D % 8 == 0 && aligned16(dx) && (dout0 == nullptr || aligned16(dout0)) &&
                    (dout1 == nullptr || aligned16(dout1)) && (dout2 == nullptr || aligned16(dout2));
   LS_DISPATCH(dt, T, {
     MergeOp<T> op{{static_cast<const T*>(dout0), static_cast<const T*>(dout1), static_cast<const T*>(dout2)},
-                  static_cast<T*>(dx), T_, H, D, W};
+                  static_cast<T*>(dx), T_, H, D, W, token_major};
     T* const outs[1] = {static_cast<T*>(dbias)};
     run_rowloop_colsum<T, 1>(op, vec, rows, W, outs, workspace, stream, "split_heads_bwd");
   });

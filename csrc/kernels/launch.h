@@ -89,12 +89,13 @@ void embedding_bwd(DType dt, const void* dy, const uint8_t* mask, const int64_t*
                    int64_t padding_idx, bool zero_pad, cudaStream_t stream);
 
 // ================================================================ heads.cu
-// x [B, T, n*H*D] (+ bias [n*H*D]) -> out [n, B, H, T, D].
+// x [B, T, n*H*D] (+ bias [n*H*D]) -> out [n, B, H, T, D] (stored [n, B, T, H, D] if token_major).
 void split_heads_fwd(DType dt, const void* x, const void* bias, void* out, int B, int T, int n, int H, int D,
-                     cudaStream_t stream);
-// douts[i] [B, H, T, D] (nullptr = zero) -> dx [B, T, n*H*D]; dbias (nullable) = sum over B, T.
+                     bool token_major, cudaStream_t stream);
+// douts[i] [B, H, T, D] (stored [B, T, H, D] if token_major; nullptr = zero) -> dx [B, T, n*H*D];
+// dbias (nullable) = sum over B, T.
 void split_heads_bwd(DType dt, const void* dout0, const void* dout1, const void* dout2, void* dx, void* dbias,
-                     float* workspace, int B, int T, int n, int H, int D, cudaStream_t stream);
+                     float* workspace, int B, int T, int n, int H, int D, bool token_major, cudaStream_t stream);
 
 // ================================================================ cross_entropy.cu
 // Per row: losses[0, r] = smoothed loss, losses[1, r] = nll (0 for ignored rows); lse[r] = logsumexp.

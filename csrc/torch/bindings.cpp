@@ -47,8 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask") = none, py::arg("keys"), py::arg("tokens"), py::arg("num_embeddings"), py::arg("factor"),
         py::arg("padding_idx"), py::arg("zero_pad"));
 
-  m.def("qkv_split_fwd", guarded(&qkv_split_fwd), "[B,T,n*C] (+bias) -> [n,B,H,T,D]", py::arg("x"), py::arg("bias") = none,
-        py::arg("n"), py::arg("num_heads"));
+  m.def("qkv_split_fwd", guarded(&qkv_split_fwd), "[B,T,n*C] (+bias) -> [n,B,H,T,D] (token_major: stored [n,B,T,H,D])",
+        py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"), py::arg("token_major") = false);
   m.def("qkv_split_bwd", guarded(&qkv_split_bwd), "backward of qkv_split", py::arg("d0") = none, py::arg("d1") = none,
         py::arg("d2") = none, py::arg("n"), py::arg("need_dbias"));
   m.def("merge_heads_fwd", guarded(&merge_heads_fwd), "[B,H,T,D] -> [B,T,H*D]", py::arg("x"));

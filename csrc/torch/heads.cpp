@@ -3,8 +3,8 @@
 
 namespace ls_torch {
 
-// x [B, T, n*C] (+ bias [n*C]) -> out [n, B, H, T, C/H]
-Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads) {
+// x [B, T, n*C] (+ bias [n*C]) -> out [n, B, H, T, C/H]; token_major: out is a view of [n, B, T, H, C/H]
+Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads, bool token_major) {
   const char* op = "qkv_split_fwd";
   LS_CHECK_INPUT(op, x);
   LS_CHECK(x.dim() == 3, op, ": x must be [batch, length, n*embed_dim], got ", x.sizes());
@@ -16,15 +16,19 @@ Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t 
   auto b = channel_param(op, "bias", bias, x, x.size(2));
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t B = x.size(0), T = x.size(1), D = Cn / num_heads;
-  Tensor out = at::empty({n, B, num_heads, T, D}, x.options());
+  Tensor out = token_major ? at::empty({n, B, T, num_heads, D}, x.options())
+                           : at::empty({n, B, num_heads, T, D}, x.options());
   launch(op, [&] {
     ls::split_heads_fwd(dt, x.data_ptr(), ptr_or_null(b), out.data_ptr(), checked_int(op, "batch", B),
-                        checked_int(op, "length", T), (int)n, (int)num_heads, checked_int(op, "head_dim", D), stream());
+                        checked_int(op, "length", T), (int)n, (int)num_heads, checked_int(op, "head_dim", D),
+                        token_major, stream());
   });
-  return out;
+  return token_major ? out.transpose(2, 3) : out;
 }
 
-// grads of the n parts (each [B, H, T, D] or None) -> (dx [B, T, n*H*D], dbias [n*H*D] or empty)
+// grads of the n parts (each [B, H, T, D] or None) -> (dx [B, T, n*H*D], dbias [n*H*D] or empty).
+// Gradients stored token-major ([B, T, H, D] memory, as SDPA's backward writes them for token-major
+// inputs) are read in place; any other layout is made contiguous first.
 std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
                                   bool need_dbias) {
   const char* op = "qkv_split_bwd";
@@ -35,15 +39,20 @@ std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, cons
     if (present(*ds[i])) { ref = &ds[i]->value(); break; }
   LS_CHECK(ref != nullptr, op, ": at least one gradient must be given");
   LS_CHECK(ref->dim() == 4, op, ": gradients must be [batch, heads, length, head_dim], got ", ref->sizes());
-  std::vector<Tensor> keep;
-  const void* ptrs[3] = {nullptr, nullptr, nullptr};
+  bool token_major = true;
   for (int i = 0; i < n; ++i) {
     if (!present(*ds[i])) continue;
     const Tensor& t = ds[i]->value();
     LS_CHECK_CUDA(op, t);
     LS_CHECK(t.sizes() == ref->sizes(), op, ": gradient shapes differ: ", t.sizes(), " vs ", ref->sizes());
     LS_CHECK_DTYPE(op, t, ref->scalar_type());
-    keep.push_back(t.contiguous());
+    token_major = token_major && t.transpose(1, 2).is_contiguous() && !t.is_contiguous();
+  }
+  std::vector<Tensor> keep;
+  const void* ptrs[3] = {nullptr, nullptr, nullptr};
+  for (int i = 0; i < n; ++i) {
+    if (!present(*ds[i])) continue;
+    keep.push_back(token_major ? ds[i]->value() : ds[i]->value().contiguous());
     ptrs[i] = keep.back().data_ptr();
   }
   const ls::DType dt = to_dtype(op, *ref);
@@ -58,7 +67,7 @@ std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, cons
     ls::split_heads_bwd(dt, ptrs[0], ptrs[1], ptrs[2], dx.data_ptr(), need_dbias && rows > 0 ? db.data_ptr() : nullptr,
                         need_dbias ? ws.data_ptr<float>() : nullptr, checked_int(op, "batch", B),
                         checked_int(op, "length", T), (int)n, checked_int(op, "heads", H),
-                        checked_int(op, "head_dim", D), stream());
+                        checked_int(op, "head_dim", D), token_major, stream());
   });
   return {dx, db};
 }
@@ -73,7 +82,7 @@ Tensor merge_heads_fwd(const Tensor& x) {
 
 // [B, T, H*D] -> [B, H, T, D]
 Tensor merge_heads_bwd(const Tensor& dy, int64_t num_heads) {
-  return qkv_split_fwd(dy.contiguous(), std::nullopt, 1, num_heads)[0];
+  return qkv_split_fwd(dy.contiguous(), std::nullopt, 1, num_heads, false)[0];
 }
 
 }  // namespace ls_torch

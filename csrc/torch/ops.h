@@ -27,7 +27,7 @@ std::vector<Tensor> embedding_fwd(const Tensor& tokens, const Tensor& weight, co
 Tensor embedding_bwd(const Tensor& dy, const OptTensor& mask, const Tensor& keys, const Tensor& tokens,
                      int64_t num_embeddings, double factor, int64_t padding_idx, bool zero_pad);
 
-Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
+Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads, bool token_major);
 std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
                                   bool need_dbias);
 Tensor merge_heads_fwd(const Tensor& x);

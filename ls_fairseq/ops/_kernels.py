@@ -119,12 +119,14 @@ def _register():
         return _empty(dy, (num_embeddings, dy.shape[-1]))
 
     @op(f"{_LIB}::qkv_split_fwd", mutates_args=())
-    def qkv_split_fwd(x: Tensor, bias: Optional[Tensor], n: int, num_heads: int) -> Tensor:
-        return _mod().qkv_split_fwd(x, bias, n, num_heads)
+    def qkv_split_fwd(x: Tensor, bias: Optional[Tensor], n: int, num_heads: int, token_major: bool = False) -> Tensor:
+        return _mod().qkv_split_fwd(x, bias, n, num_heads, token_major)
 
     @qkv_split_fwd.register_fake
-    def _(x, bias, n, num_heads):
+    def _(x, bias, n, num_heads, token_major=False):
         B, T, W = x.shape
+        if token_major:
+            return _empty(x, (n, B, T, num_heads, W // n // num_heads)).transpose(2, 3)
         return _empty(x, (n, B, num_heads, T, W // n // num_heads))
 
     @op(f"{_LIB}::qkv_split_bwd", mutates_args=())

@@ -7,6 +7,8 @@ attention: softmax(q k^T / sqrt(D) + masks) v through scaled_dot_product_attenti
            key_padding_mask [B, S] bool (True = padding), optional causal mask.
 """
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -114,7 +116,11 @@ def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0
     # first-seen shape vs 0.6 ms repeated. fairseq batches by --max-tokens, so almost every
     # batch of the first epoch has a new shape; that is the slow first epoch of native
     # fairseq (benchmarks/RESULTS.md), and we do not inherit it.
-    with sdpa_kernel(_SDPA_BACKENDS):
+    # Which kernel: for short sequences (the bulk of a --max-tokens batch of sentences) the
+    # memory-efficient kernel is about twice as fast as flash, with or without masks; flash wins
+    # from ~96 tokens on (benchmarks/bench_attention.py, RESULTS.md).
+    short = max(q.shape[-2], k.shape[-2]) <= SHORT_ATTENTION_LEN
+    with _backends(short):
         if key_padding_mask is None and causal and q.shape[-2] == k.shape[-2]:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p if training else 0.0, is_causal=True)
         mask = _attn_mask(q, k, key_padding_mask, causal)
@@ -122,6 +128,17 @@ def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0
 
 
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_SDPA_SHORT = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+SHORT_ATTENTION_LEN = 64
+_HAS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+def _backends(short: bool):
+    if not short:
+        return sdpa_kernel(_SDPA_BACKENDS)
+    if _HAS_PRIORITY:  # efficient first, flash where efficient cannot run
+        return sdpa_kernel(_SDPA_SHORT, set_priority=True)
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class _SplitFn(torch.autograd.Function):
@@ -129,7 +146,10 @@ class _SplitFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, n, num_heads):
-        out = call("qkv_split_fwd", x.contiguous(), bias, int(n), int(num_heads))
+        # token-major parts ([B, T, H, D] in memory, handed out as [B, H, T, D] views): the layout
+        # SDPA's kernels use, so their output is token-major too (merge_heads is then a view) and
+        # their backward reads the output gradient and writes dq, dk, dv without copies
+        out = call("qkv_split_fwd", x.contiguous(), bias, int(n), int(num_heads), True)
         ctx.n = n
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return tuple(out.unbind(0))
@@ -138,15 +158,16 @@ class _SplitFn(torch.autograd.Function):
     def backward(ctx, *grads):
         need_db = ctx.needs_input_grad[1]
         if ctx.n > 3:
-            # layer-batched cross-attention K/V (n = 2 x layers): one stacked copy, then the
-            # inverse permutation into the GEMM's [B, T, n*C] layout
+            # layer-batched cross-attention K/V (n = 2 x layers): one stacking copy straight
+            # into the GEMM's [B, T, n, H, D] layout
             g0 = next(g for g in grads if g is not None)
-            gs = torch.stack([g if g is not None else torch.zeros_like(g0) for g in grads])  # [n, B, H, T, D]
-            n, B, H, T, D = gs.shape
-            dx = gs.permute(1, 3, 0, 2, 4).reshape(B, T, n * H * D)
+            gs = [(g if g is not None else torch.zeros_like(g0)).transpose(1, 2) for g in grads]  # [B, T, H, D]
+            dx = torch.stack(gs, dim=2)
+            B, T, n, H, D = dx.shape
+            dx = dx.view(B, T, n * H * D)
             db = dx.sum(dim=(0, 1), dtype=torch.float32).to(ctx.bias_dtype) if need_db else None
             return dx, db, None, None
-        gs = [g.contiguous() if g is not None else None for g in grads] + [None] * (3 - ctx.n)
+        gs = list(grads) + [None] * (3 - ctx.n)
         dx, db = call("qkv_split_bwd", gs[0], gs[1], gs[2], int(ctx.n), bool(need_db))
         return dx, (db.to(ctx.bias_dtype) if need_db else None), None, None
 

@@ -73,3 +73,79 @@ def test_merge_heads_of_sdpa_output_is_a_free_view(dtype):
     ref = torch.autograd.grad(merge_heads_reference(out), [q, k, v], g)
     for a, b in zip(grads, ref):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_is_token_major_and_backward_reads_either_layout(dtype):
+    B, T, H, D = 3, 11, 4, 16
+    x = torch.randn(B, T, 3 * H * D, device="cuda", dtype=dtype, requires_grad=True)
+    bias = torch.randn(3 * H * D, device="cuda", dtype=dtype, requires_grad=True)
+    q, k, v = qkv_split(x, bias, H)
+    for t in (q, k, v):
+        assert t.shape == (B, H, T, D) and t.transpose(1, 2).is_contiguous()
+    ref = _split_reference(x.detach(), bias.detach(), 3, H)
+    for a, b in zip((q, k, v), ref):
+        assert torch.equal(a, b)
+    gs = [torch.randn(B, H, T, D, device="cuda", dtype=dtype) for _ in range(3)]
+    head_major = torch.autograd.grad((q, k, v), (x, bias), gs, retain_graph=True)
+    token_major = torch.autograd.grad((q, k, v), (x, bias), [g.transpose(1, 2).contiguous().transpose(1, 2)
+                                                             for g in gs])
+    assert torch.equal(head_major[0], token_major[0]) and torch.equal(head_major[1], token_major[1])
+    want = torch.cat([g.transpose(1, 2).reshape(B, T, H * D) for g in gs], dim=-1)
+    assert torch.equal(head_major[0], want)
+
+
+def test_batched_kv_split_backward_matches_reference():
+    from ls_fairseq.ops import split_heads
+
+    B, T, H, D, n = 2, 7, 2, 8, 6
+    x = torch.randn(B, T, n * H * D, device="cuda", dtype=torch.float16, requires_grad=True)
+    bias = torch.randn(n * H * D, device="cuda", dtype=torch.float16, requires_grad=True)
+    parts = split_heads(x, bias, n, H)
+    gs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.float16) for _ in range(n)]
+    gs[3] = None  # a layer whose K got no gradient
+    used = [(p, g) for p, g in zip(parts, gs) if g is not None]
+    dx, db = torch.autograd.grad([p for p, _ in used], (x, bias), [g for _, g in used])
+    zero = torch.zeros(B, H, T, D, device="cuda", dtype=torch.float16)
+    want = torch.cat([(g if g is not None else zero).transpose(1, 2).reshape(B, T, H * D) for g in gs], dim=-1)
+    assert torch.equal(dx, want)
+    torch.testing.assert_close(db, want.float().sum((0, 1)).half(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T", [17, 100])  # short: memory-efficient kernel; long: flash
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "cross"])
+def test_attention_matches_reference(dtype, T, kind):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ls_fairseq.ops.attention import SHORT_ATTENTION_LEN, _attn_mask, attention_reference
+
+    assert (T <= SHORT_ATTENTION_LEN) == (T == 17)
+    torch.manual_seed(T)
+    B, H, D = 3, 4, 64
+    S = T + 9 if kind == "cross" else T
+    q0, k0, v0 = torch.randn(B, H, T, D, device="cuda"), torch.randn(B, H, S, D, device="cuda"), \
+        torch.randn(B, H, S, D, device="cuda")
+    g = torch.randn(B, H, T, D, device="cuda")
+    kpm = None
+    if kind in ("padding", "cross"):
+        kpm = torch.zeros(B, S, dtype=torch.bool, device="cuda")
+        kpm[0, : S // 3] = True  # left padding, as fairseq pads sources
+        kpm[2, -2:] = True
+    causal = kind == "causal"
+    res = {}
+    for name, dt in (("fused", dtype), ("lowp", dtype), ("gold", torch.float64)):
+        q, k, v = (t.to(dtype).to(dt).requires_grad_(True) for t in (q0, k0, v0))
+        if name == "fused":
+            out = attention(q, k, v, key_padding_mask=kpm, causal=causal, p=0.0, training=True)
+        elif name == "lowp":  # PyTorch's math backend in the low-precision dtype
+            with sdpa_kernel([SDPBackend.MATH]):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=_attn_mask(q, k, kpm, causal))
+        else:
+            out = attention_reference(q, k, v, key_padding_mask=kpm, causal=causal, p=0.0, training=True)
+        res[name] = (out, torch.autograd.grad((out.double() * g.double()).sum(), (q, k, v)))
+    (fo, fg), (lo, lg), (go, gg) = res["fused"], res["lowp"], res["gold"]
+    assert_close_to_gold(fo, lo, go, dtype, "out")
+    for i in range(3):
+        assert_close_to_gold(fg[i], lg[i], gg[i], dtype, f"grad{i}")
