@@ -90,8 +90,15 @@ class FlatBuffer:
         return self.param[o:o + k].view(self.shapes[i])
 
     def grad_view(self, i: int) -> torch.Tensor:
-        o, k = self.offsets[i]
-        return self.grad[o:o + k].view(self.shapes[i])
+        """The view of parameter i's gradient slice (made once: sync hands it out every step)."""
+        views = self.__dict__.get("_grad_views")
+        if views is None:
+            views = self._grad_views = [None] * len(self.params)
+        v = views[i]
+        if v is None:
+            o, k = self.offsets[i]
+            v = views[i] = self.grad[o:o + k].view(self.shapes[i])
+        return v
 
     def slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         o, k = self.offsets[i]
