@@ -149,6 +149,24 @@ def test_resume_matches_uninterrupted_training(data_bin, straight_run, tmp_path)
 
 
 @pytest.mark.slow
+def test_ls_trainer_trains_exactly_like_fairseqs_trainer(data_bin, straight_run, tmp_path, monkeypatch):
+    """lightseq-train's LSTrainer changes when the host waits, never what is computed."""
+    save_a, records_a = straight_run
+    monkeypatch.setenv("LS_FAIRSEQ_PLAIN_TRAINER", "1")
+    save_b = str(tmp_path / "plain")
+    plain = inner_by_update(train(data_bin, save_b, "--max-update", "8"))
+    ours = inner_by_update(records_a)
+    assert sorted(plain) == sorted(ours) == list(range(1, 9))
+    for u in ours:
+        for key in ("loss", "nll_loss", "gnorm", "lr"):
+            assert float(plain[u][key]) == float(ours[u][key]), (u, key)
+    a = _params(os.path.join(save_a, "checkpoint_last.pt"))
+    b = _params(os.path.join(save_b, "checkpoint_last.pt"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
 def test_validate_reproduces_the_training_validation_loss(data_bin, straight_run):
     from ls_fairseq.cli import validate
 
