@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Short call on a 2-GPU machine: a 2-GPU checkpoint resumed on 2 GPUs (the path that needs the
 # distributed checkpoint-broadcast fix in fairseq_ext/compat.py), and a 1-GPU run of the same
-# updates for a throughput comparison. Logs under $OUT.
+# updates for a throughput comparison; LEGACY_DDP=1 adds a 2-GPU run with --ddp-backend legacy_ddp
+# (ls_adam's flat all-reduce). Logs under $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ls_resume}; mkdir -p "$OUT"
@@ -20,4 +21,9 @@ $T "${COMMON[@]}" --distributed-world-size 2 --max-update 160 --save-dir /tmp/ck
 echo "2-GPU resume rc=$?"
 CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" --max-update 100 --no-save --save-dir /tmp/ck1 > "$OUT/r3_1gpu_100.log" 2>&1
 echo "1-GPU rc=$?"
+if [[ "${LEGACY_DDP:-0}" == 1 ]]; then  # ls_adam's one-collective flat all-reduce (fairseq's legacy DDP wrapper)
+  $T "${COMMON[@]}" --distributed-world-size 2 --ddp-backend legacy_ddp --max-update 160 --no-save \
+    --save-dir /tmp/ckl > "$OUT/r4_2gpu_legacy_ddp_160.log" 2>&1
+  echo "2-GPU legacy_ddp rc=$?"
+fi
 for f in "$OUT"/r*.log; do echo "== $f"; grep -E "loaded checkpoint|train_inner|Error|error" "$f" | cut -c1-260 | tail -8; done

@@ -96,6 +96,24 @@ class LSFairseqAdam(FairseqOptimizer):
     def zero_grad(self):
         self._optimizer.zero_grad()
 
+    def all_reduce_grads(self, module):
+        """Under ``--ddp-backend legacy_ddp``: one all-reduce per flat gradient buffer.
+
+        fairseq's legacy wrapper copies every gradient into a staging buffer of its own, reduces it
+        piecewise and copies the results back; the flat workspace already holds all gradients in
+        one buffer, so it is reduced in place (after the backward pass, like the legacy wrapper).
+        Any other wrapper is left to fairseq."""
+        ddp = _legacy_ddp(module)
+        if ddp is not None and _flat_all_reduce_applies(ddp, self._optimizer):
+            if ddp.accumulate_grads:  # inside no_sync (--update-freq): fairseq's wrapper waits too
+                return
+            from fairseq.distributed import utils as distributed_utils
+
+            group = ddp.process_group
+            self._optimizer.all_reduce_grads_(ddp.world_size, lambda t: distributed_utils.all_reduce(t, group))
+            return
+        super().all_reduce_grads(module)
+
     def average_params(self):
         """All-reduce the moments (BMUF), as fairseq's adam does."""
         import torch.distributed as dist
@@ -106,6 +124,28 @@ class LSFairseqAdam(FairseqOptimizer):
                 for t in (buf.exp_avg, buf.exp_avg_sq):
                     t.div_(world)
                     dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def _legacy_ddp(module):
+    """fairseq's LegacyDistributedDataParallel inside ``module`` (it wraps it in a ModuleProxyWrapper), or None."""
+    from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
+
+    for _ in range(3):
+        if isinstance(module, LegacyDistributedDataParallel):
+            return module
+        module = module.__dict__.get("_modules", {}).get("module")
+        if module is None:
+            return None
+    return None
+
+
+def _flat_all_reduce_applies(module, optimizer) -> bool:
+    if len(module.per_device_params) != 1:
+        return False
+    ours = {id(p) for ws in optimizer.workspaces for p in ws.params}
+    mine = [p for p in module.module.parameters() if p.requires_grad]
+    # every trainable parameter of the module is in the workspace, and none is an expert (MoE)
+    return all(id(p) in ours and not hasattr(p, "expert") for p in mine)
 
 
 __all__ = ["LSAdamConfig", "LSFairseqAdam", "parse_betas"]

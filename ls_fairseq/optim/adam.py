@@ -119,6 +119,18 @@ class LSAdam(torch.optim.Optimizer):
             self._grad_factor = self._grad_factor * clip_coef
         return total
 
+    @torch.no_grad()
+    def all_reduce_grads_(self, world_size: int, all_reduce) -> None:
+        """Average the gradients over data-parallel workers: ``all_reduce(tensor)`` (a sum over
+        the workers, in place) once per flat gradient buffer, after dividing by ``world_size``
+        (as fairseq's DDP wrappers do, which also keeps fp16 sums in range)."""
+        for ws in self._workspaces:
+            ws.sync()
+            for buf in ws.buffers:
+                if world_size > 1:
+                    buf.grad.div_(world_size)
+                all_reduce(buf.grad)
+
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients: ``p.grad`` becomes None (``set_to_none`` is ignored); the flat
         buffers are refilled from the next backward's gradients when they are read."""
