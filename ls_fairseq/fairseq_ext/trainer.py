@@ -17,12 +17,15 @@ Nothing else differs; ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fa
 Trainer unchanged (for comparisons).
 """
 
+import logging
 import os
 from collections.abc import Mapping
 
 import torch
 from fairseq import metrics, utils
 from fairseq.trainer import Trainer
+
+logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same lines as its Trainer
 
 
 def plain_trainer_requested() -> bool:
@@ -110,14 +113,7 @@ class LSTrainer(Trainer):
             if "loss" not in agg:
                 if "loss" not in self._warn_once:
                     self._warn_once.add("loss")
-                    self._warn_missing_loss()
+                    logger.warning("the criterion's reduce_metrics logged no 'loss'; logging -1 in its place "
+                                   "(progress lines and best-checkpoint selection read it)")
                 metrics.log_scalar("loss", -1)
         return DeferredLoggingOutput(agg, sample_size)
-
-    @staticmethod
-    def _warn_missing_loss():
-        import logging
-
-        logging.getLogger("fairseq.trainer").warning(
-            "Criterion.reduce_metrics did not log a 'loss' value, which may break some functionality"
-        )
