@@ -26,40 +26,19 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _pop(argv, name, default, cast):
-    if name in argv:
-        i = argv.index(name)
-        v = cast(argv[i + 1])
-        del argv[i:i + 2]
-        return v
-    return default
+from _trainer_setup import build, first_batches, pop_flag, pop_option  # noqa: E402
 
 
 def main():
     argv = sys.argv[1:]
-    n_batches = _pop(argv, "--batches", 12, int)
-    skip_cprofile = "--skip-cprofile" in argv
-    if skip_cprofile:
-        argv.remove("--skip-cprofile")
+    n_batches = pop_option(argv, "--batches", 12, int)
+    skip_cprofile = pop_flag(argv, "--skip-cprofile")
     import torch
-
-    import ls_fairseq.fairseq_ext  # noqa: F401
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    from ls_fairseq.cli.train import ls_adam_owns_master_weights
     from ls_fairseq.fairseq_ext.trainer import LSTrainer
 
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, argv)
-    ls_adam_owns_master_weights(args)
-    cfg = convert_namespace_to_omegaconf(args)
-    task = tasks.setup_task(cfg.task)
-    task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
+    cfg, task, model, criterion = build(argv)
     name = cfg.model._name
     cuda = torch.cuda.is_available() and not cfg.common.cpu
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -67,8 +46,7 @@ def main():
     results = {}
     for kind, cls in (("plain", Trainer), ("ls", LSTrainer)):
         trainer = cls(cfg, task, model, criterion)
-        itr = trainer.get_train_iterator(epoch=1, load_dataset=False).next_epoch_itr(shuffle=True)
-        batches = [b for _, b in zip(range(n_batches), itr)]
+        batches = first_batches(trainer, n_batches)
 
         def run():
             for b in batches:

@@ -14,42 +14,24 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for ls_fairseq
 
+from _trainer_setup import build, first_batches, pop_flag, pop_option  # noqa: E402
+
 
 def main():
     argv = sys.argv[1:]
-    n_batches, top = 8, 25
-    copies = "--copies" in argv
-    if copies:
-        argv.remove("--copies")
-    if "--top" in argv:
-        i = argv.index("--top")
-        top = int(argv[i + 1])
-        del argv[i:i + 2]
-    if "--batches" in argv:
-        i = argv.index("--batches")
-        n_batches = int(argv[i + 1])
-        del argv[i:i + 2]
+    copies = pop_flag(argv, "--copies")
+    top = pop_option(argv, "--top", 25, int)
+    n_batches = pop_option(argv, "--batches", 8, int)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import ls_fairseq.fairseq_ext  # noqa: F401  (compat fixes + ls registrations)
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, argv)
-    cfg = convert_namespace_to_omegaconf(args)
-    task = tasks.setup_task(cfg.task)
-    task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
+    cfg, task, model, criterion = build(argv)
     if cfg.model._name.startswith("ls_"):  # what lightseq-train runs
-        from ls_fairseq.cli.train import ls_adam_owns_master_weights  # noqa: F401  (flags already parsed)
         from ls_fairseq.fairseq_ext.trainer import LSTrainer as Trainer
     trainer = Trainer(cfg, task, model, criterion)
-    itr = trainer.get_train_iterator(epoch=1, load_dataset=False).next_epoch_itr(shuffle=True)
-    batches = [b for _, b in zip(range(n_batches), itr)]
+    batches = first_batches(trainer, n_batches)
 
     def run():
         words = 0

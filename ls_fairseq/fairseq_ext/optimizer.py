@@ -104,7 +104,7 @@ class LSFairseqAdam(FairseqOptimizer):
         one buffer, so it is reduced in place (after the backward pass, like the legacy wrapper).
         Any other wrapper is left to fairseq."""
         ddp = _legacy_ddp(module)
-        if ddp is not None and _flat_all_reduce_applies(ddp, self._optimizer):
+        if ddp is not None and self._flat_all_reduce_applies(ddp):
             if ddp.accumulate_grads:  # inside no_sync (--update-freq): fairseq's wrapper waits too
                 return
             from fairseq.distributed import utils as distributed_utils
@@ -113,6 +113,17 @@ class LSFairseqAdam(FairseqOptimizer):
             self._optimizer.all_reduce_grads_(ddp.world_size, lambda t: distributed_utils.all_reduce(t, group))
             return
         super().all_reduce_grads(module)
+
+    def _flat_all_reduce_applies(self, ddp) -> bool:
+        """Whether ``ddp``'s trainable parameters all live in our flat workspace (on one device,
+        no MoE experts). The parameter sets do not change during training: decided once per wrapper."""
+        seen = self.__dict__.get("_flat_reduce_decision")
+        if seen is None or seen[0] is not ddp:
+            ours = {id(p) for ws in self._optimizer.workspaces for p in ws.params}
+            mine = [p for p in ddp.module.parameters() if p.requires_grad]
+            ok = len(ddp.per_device_params) == 1 and all(id(p) in ours and not hasattr(p, "expert") for p in mine)
+            seen = self._flat_reduce_decision = (ddp, ok)
+        return seen[1]
 
     def average_params(self):
         """All-reduce the moments (BMUF), as fairseq's adam does."""
@@ -137,15 +148,6 @@ def _legacy_ddp(module):
         if module is None:
             return None
     return None
-
-
-def _flat_all_reduce_applies(module, optimizer) -> bool:
-    if len(module.per_device_params) != 1:
-        return False
-    ours = {id(p) for ws in optimizer.workspaces for p in ws.params}
-    mine = [p for p in module.module.parameters() if p.requires_grad]
-    # every trainable parameter of the module is in the workspace, and none is an expert (MoE)
-    return all(id(p) in ours and not hasattr(p, "expert") for p in mine)
 
 
 __all__ = ["LSAdamConfig", "LSFairseqAdam", "parse_betas"]

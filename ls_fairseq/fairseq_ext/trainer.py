@@ -76,13 +76,7 @@ class DeferredLoggingOutput(Mapping):
 
 class LSTrainer(Trainer):
     def _prepare_sample(self, sample, is_dummy=False):
-        if (
-            self.cuda
-            and not self.pipeline_model_parallel
-            and isinstance(sample, dict)
-            and len(sample) > 0
-            and torch.cuda.is_available()
-        ):
+        if self.cuda and not self.pipeline_model_parallel and isinstance(sample, dict) and len(sample) > 0:
             sample = pin_sample(sample)
         return super()._prepare_sample(sample, is_dummy)
 
