@@ -138,3 +138,61 @@ def test_rejects_adaptive_softmax_and_bad_flags():
     bad = dict(sample, target=sample["target"][:, :-1])
     with pytest.raises(ValueError, match="does not match target"):
         LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1)(ToyModel(d, logits), bad)
+
+
+# ---------------------------------------------------------------- ls_transformer: logits of counted rows only
+@pytest.mark.parametrize("prefix", [0, 1])
+@pytest.mark.parametrize("sentence_avg", [False, True])
+def test_ls_model_projects_only_counted_positions(prefix, sentence_avg):
+    """With an ls_transformer the criterion asks the decoder for the logits of the non-padding,
+    non-prefix target positions only; loss, metrics and every parameter gradient equal fairseq's
+    criterion on the full [B, T, V] logits of the same model."""
+    from _models import build_model, make_dict, random_batch
+
+    d = make_dict(37)
+    src, lengths, prev, tgt = random_batch(d, B=4, S=9, T=6, seed=prefix)
+    tgt[3, -1] = d.pad()
+    prev[3, -1:] = d.pad()
+    sample = {
+        "net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
+        "target": tgt,
+        "ntokens": int(tgt.ne(d.pad()).sum()),
+    }
+    task = SimpleNamespace(target_dictionary=d, source_dictionary=d)
+    torch.manual_seed(0)
+    model = build_model("ls_transformer_tiny", d, dropout=0.0, share_all_embeddings=True)
+    model.train()
+
+    def run_crit(cls):
+        model.zero_grad()
+        crit = cls(task, sentence_avg, 0.1, ignore_prefix_size=prefix, report_accuracy=True)
+        loss, size, log = crit(model, sample)
+        loss.backward()
+        return loss.detach(), size, log, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    calls = []  # the rows each call projects onto the vocabulary
+    orig = model.decoder.output_layer
+    model.decoder.output_layer = lambda x: (calls.append(tuple(x.shape)), orig(x))[1]
+    ours = run_crit(LSLabelSmoothedCrossEntropyCriterion)
+    ref = run_crit(LabelSmoothedCrossEntropyCriterion)
+    counted = int(tgt[:, prefix:].ne(d.pad()).sum())
+    assert calls[0] == (counted, model.decoder.embed_dim) and calls[1] == tuple(tgt.shape) + (model.decoder.embed_dim,)
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)
+    assert ours[1] == ref[1]
+    for key in ("n_correct", "total", "ntokens", "nsentences", "sample_size"):
+        assert ours[2][key] == ref[2][key], key
+    torch.testing.assert_close(ours[2]["nll_loss"], ref[2]["nll_loss"], rtol=1e-5, atol=1e-5)
+    assert ours[3].keys() == ref[3].keys()
+    for name in ours[3]:
+        torch.testing.assert_close(ours[3][name], ref[3][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_logit_rows_rejected_while_decoding():
+    from _models import build_model, make_dict, random_batch
+
+    d = make_dict(20)
+    src, lengths, prev, _ = random_batch(d)
+    model = build_model("ls_transformer_tiny", d, dropout=0.0).eval()
+    enc = model.encoder(src, src_lengths=lengths)
+    with pytest.raises(ValueError, match="incremental decoding"):
+        model.decoder(prev[:, :1], encoder_out=enc, incremental_state={}, logit_rows=torch.tensor([0]))

@@ -5,7 +5,7 @@
 // thread y walks rows r = blockIdx.y * 8 + ty, stepping gridDim.y * 8. Each thread keeps fp32
 // sums of what the op returns for its columns, the 8 y-threads are combined in shared memory in
 // a fixed order and written to partial[blockIdx.y, C]; colsum_finalize then sums the gridDim.y
-// partial rows in a fixed order. No atomics, so the result is bit-identical run to run.
+// partial rows in a fixed order (one launch for all sums). No atomics, so the result is bit-identical run to run.
 #pragma once
 
 #include "kernels/common.cuh"
@@ -70,22 +70,59 @@ __global__ void __launch_bounds__(256) rowloop_colsum_kernel(Op op, int64_t rows
   }
 }
 
-// out[s][c] = sum_g partial[s, g, c] (fixed order), stored as T.
-template <typename T>
-__global__ void colsum_finalize_kernel(const float* __restrict__ partial, int G, int C, T* __restrict__ out) {
-  __shared__ float sh[8][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
-  float sum = 0.f;
-  if (c < C)
-    for (int g = threadIdx.y; g < G; g += 8) sum += partial[(int64_t)g * C + c];
-  sh[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    float s = 0.f;
-#pragma unroll
-    for (int y = 0; y < 8; ++y) s += sh[y][threadIdx.x];
-    out[c] = from_f<T>(s);
+// ---------------------------------------------------------------- finalize
+// out_s[c] = sum_g partial[s, g, c] for every s whose out_s is set, in ONE launch: grid
+// (ceil(C / 32), N_SUMS), block (32, 32). Thread (x, y) of block (bx, s) owns column bx * 32 + x
+// and the partial rows g = y, y + 32, ..., kept in four independent accumulators (four loads in
+// flight instead of one: the partials sit in L2 and the kernel is latency-bound). The 32 per-y
+// sums of a column are then added by one warp with a fixed butterfly. Every addition happens in
+// an order fixed by (G, C) alone: bit-identical run to run.
+template <typename T, int N_SUMS>
+struct ColsumOuts {
+  T* p[N_SUMS];
+};
+
+template <typename T, int N_SUMS>
+__global__ void __launch_bounds__(1024) colsum_finalize_kernel(const float* __restrict__ partial, int G, int C,
+                                                               ColsumOuts<T, N_SUMS> outs) {
+  T* out = outs.p[blockIdx.y];
+  if (out == nullptr) return;  // uniform over the block
+  __shared__ float sh[32][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int c = blockIdx.x * 32 + tx;
+  const float* src = partial + (int64_t)blockIdx.y * G * C;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  if (c < C) {
+    int g = ty;
+    for (; g + 96 < G; g += 128) {
+      a0 += src[(int64_t)g * C + c];
+      a1 += src[(int64_t)(g + 32) * C + c];
+      a2 += src[(int64_t)(g + 64) * C + c];
+      a3 += src[(int64_t)(g + 96) * C + c];
+    }
+    for (; g < G; g += 32) a0 += src[(int64_t)g * C + c];
   }
+  sh[ty][tx] = (a0 + a1) + (a2 + a3);
+  __syncthreads();
+  // warp ty reduces column ty of this block: lane l holds the partial of y = l
+  const float v = warp_sum(sh[tx][ty]);
+  const int cw = blockIdx.x * 32 + ty;
+  if (tx == 0 && cw < C) out[cw] = from_f<T>(v);
+}
+
+// Launches the finalize for partial [N_SUMS, G, C]; outs[s] == nullptr skips sum s.
+template <typename T, int N_SUMS>
+void colsum_finalize(const float* partial, int G, int C, T* const (&outs)[N_SUMS], cudaStream_t stream,
+                     const char* name) {
+  ColsumOuts<T, N_SUMS> o;
+  bool any = false;
+  for (int s = 0; s < N_SUMS; ++s) {
+    o.p[s] = outs[s];
+    any = any || outs[s] != nullptr;
+  }
+  if (!any || C <= 0) return;
+  colsum_finalize_kernel<T, N_SUMS><<<dim3(ceil_div(C, 32), N_SUMS), dim3(32, 32), 0, stream>>>(partial, G, C, o);
+  LS_CHECK_LAUNCH(name, stream);
 }
 
 // Runs op over all rows; for each of the N_SUMS sums with outs[s] != nullptr writes the column sum.
@@ -104,13 +141,7 @@ void run_rowloop_colsum(Op op, bool vec, int64_t rows, int C, T* const (&outs)[N
   else
     rowloop_colsum_kernel<N_SUMS, false><<<grid, block, 0, stream>>>(op, rows, C, partial);
   LS_CHECK_LAUNCH(name, stream);
-  if (!any) return;
-  for (int s = 0; s < N_SUMS; ++s) {
-    if (outs[s] == nullptr) continue;
-    colsum_finalize_kernel<T><<<ceil_div(C, 32), dim3(32, 8), 0, stream>>>(
-        partial + (int64_t)s * grid.y * C, grid.y, C, outs[s]);
-    LS_CHECK_LAUNCH("colsum_finalize", stream);
-  }
+  if (any) colsum_finalize<T, N_SUMS>(partial, grid.y, C, outs, stream, "colsum_finalize");
 }
 
 }  // namespace ls

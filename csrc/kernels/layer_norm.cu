@@ -241,11 +241,8 @@ void layer_norm_bwd(DType dt, const void* dy, const void* dsum, const void* xin,
       cudaMemsetAsync(workspace, 0, 2 * (size_t)C * sizeof(float), stream);
     }
     const int G = rows > 0 ? grid : 1;
-    colsum_finalize_kernel<T><<<ceil_div(C, 32), dim3(32, 8), 0, stream>>>(workspace, G, C, static_cast<T*>(dgamma));
-    LS_CHECK_LAUNCH("layer_norm_bwd dgamma", stream);
-    colsum_finalize_kernel<T><<<ceil_div(C, 32), dim3(32, 8), 0, stream>>>(workspace + (int64_t)G * C, G, C,
-                                                                         static_cast<T*>(dbeta));
-    LS_CHECK_LAUNCH("layer_norm_bwd dbeta", stream);
+    T* const outs[2] = {static_cast<T*>(dgamma), static_cast<T*>(dbeta)};
+    colsum_finalize<T, 2>(workspace, G, C, outs, stream, "layer_norm_bwd dgamma/dbeta");
   });
 }
 

@@ -8,6 +8,11 @@ the fused kernel never stores the log-probabilities. Values (loss, nll_loss, acc
 metrics are fairseq's; the flags are the same (--label-smoothing, --report-accuracy,
 --ignore-prefix-size, --sentence-avg).
 
+With an ``ls_transformer`` model the vocabulary projection itself is restricted to the
+target positions that count (not padding, not the ignored prefix): the decoder returns logits
+for those rows only, so the largest GEMM of the model and its two backward GEMMs skip padding.
+The loss is the same sum over the same tokens.
+
 Per-token losses (``reduce=False``) take fairseq's own path. Adaptive-softmax decoders
 are rejected: their output is not a single vocabulary-sized logit tensor.
 """
@@ -17,12 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
+from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
+from ls_fairseq.fairseq_ext.model import LSTransformerModel
 from ls_fairseq.ops import label_smoothed_cross_entropy
 
 logger = logging.getLogger(__name__)
@@ -42,6 +49,21 @@ def _check_model(model):
         )
 
 
+def _unwrap(model):
+    """The model inside fairseq's DDP wrappers or a DeepSpeed engine (each keeps it as ``.module``)."""
+    for _ in range(4):
+        inner = model.__dict__.get("_modules", {}).get("module")
+        if inner is None:
+            break
+        model = inner
+    return model
+
+
+def takes_logit_rows(model) -> bool:
+    """Whether ``model``'s forward accepts ``logit_rows`` (ls_transformer and its subclasses)."""
+    return isinstance(_unwrap(model), LSTransformerModel)
+
+
 @register_criterion("ls_label_smoothed_cross_entropy", dataclass=LSLabelSmoothedCrossEntropyConfig)
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False):
@@ -50,6 +72,38 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--label-smoothing must be in [0, 1), got {label_smoothing}")
         if ignore_prefix_size < 0:
             raise ValueError(f"--ignore-prefix-size must be >= 0, got {ignore_prefix_size}")
+
+    def forward(self, model, sample, reduce=True):
+        """fairseq's (loss, sample_size, logging_output); with an ls_transformer model the logits
+        are computed for the counted target positions only."""
+        if not reduce or not takes_logit_rows(model):
+            return super().forward(model, sample, reduce=reduce)
+        _check_model(model)
+        target = model.get_targets(sample, None)
+        keep = target.ne(self.padding_idx)
+        if self.ignore_prefix_size > 0:
+            keep[:, : self.ignore_prefix_size] = False
+        rows = keep.reshape(-1).nonzero().squeeze(1)
+        logits, _ = model(**sample["net_input"], logit_rows=rows)
+        if logits.dim() != 2 or logits.shape[0] != rows.numel():
+            raise ValueError(
+                f"ls_label_smoothed_cross_entropy: decoder returned {tuple(logits.shape)} for {rows.numel()} "
+                "requested target positions (expected [positions, vocab])"
+            )
+        target = target.reshape(-1).index_select(0, rows)
+        loss, nll_loss = label_smoothed_cross_entropy(logits, target, self.eps, ignore_index=self.padding_idx)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        if self.report_accuracy:
+            logging_output["n_correct"] = utils.item(logits.argmax(1).eq(target).sum().data)
+            logging_output["total"] = rows.numel()
+        return loss, sample_size, logging_output
 
     def get_logits_and_target(self, model, net_output, sample):
         """Raw logits [N, V] and targets [N], after --ignore-prefix-size."""

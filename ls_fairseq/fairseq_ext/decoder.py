@@ -66,8 +66,16 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 incremental_state: Optional[Dict[str, Dict[str, Optional[torch.Tensor]]]] = None,
                 features_only: bool = False, full_context_alignment: bool = False,
                 alignment_layer: Optional[int] = None, alignment_heads: Optional[int] = None,
-                src_lengths: Optional[Any] = None, return_all_hiddens: bool = False):
+                src_lengths: Optional[Any] = None, return_all_hiddens: bool = False,
+                logit_rows: Optional[torch.Tensor] = None):
+        """Logits [B, T, V], or with ``logit_rows`` (int64 [N] indices into the B * T flattened
+        positions) logits [N, V] of those positions only: the vocabulary projection, its two
+        backward GEMMs and the loss then skip padding."""
         x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
+        if logit_rows is not None and not features_only:
+            if incremental_state is not None:
+                raise ValueError("logit_rows is for training and scoring, not incremental decoding")
+            x = x.reshape(-1, x.shape[-1]).index_select(0, logit_rows)
         if not features_only:
             x = self.output_layer(x)
         return x, extra

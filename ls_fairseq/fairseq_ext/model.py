@@ -5,6 +5,9 @@ each ``ls_<arch>`` applies exactly fairseq's ``<arch>`` hyperparameters. Flags t
 implementation cannot honour are rejected by name (see config.check_supported).
 """
 
+from typing import Optional
+
+import torch
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer import transformer_legacy as native
@@ -36,6 +39,17 @@ class LSTransformerModel(native.TransformerModel):
         if left_pad is not None:
             model.decoder.right_padded_targets = not left_pad
         return model
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, return_all_hiddens: bool = True,
+                features_only: bool = False, alignment_layer: Optional[int] = None,
+                alignment_heads: Optional[int] = None, logit_rows: Optional[torch.Tensor] = None):
+        """fairseq's encoder-decoder forward; ``logit_rows`` (int64 [N], indices into the flattened
+        [batch * length] target positions) makes the decoder return logits [N, vocab] for those rows
+        only (ls_label_smoothed_cross_entropy passes the non-padding positions)."""
+        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
+        return self.decoder(prev_output_tokens, encoder_out=encoder_out, features_only=features_only,
+                            alignment_layer=alignment_layer, alignment_heads=alignment_heads,
+                            src_lengths=src_lengths, return_all_hiddens=return_all_hiddens, logit_rows=logit_rows)
 
     @classmethod
     def build_encoder(cls, cfg, src_dict, embed_tokens):
