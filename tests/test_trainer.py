@@ -45,3 +45,40 @@ def test_process_group_is_destroyed_after_training(tmp_path):
     assert dist.is_initialized()
     assert ls_train.destroy_process_group()
     assert not dist.is_initialized()
+
+
+def test_training_mode_walk_is_skipped_only_while_the_roots_stay_in_training(monkeypatch):
+    """fairseq's train_step calls model.train() / criterion.train() every step; LSTrainer lets that
+    walk happen once, skips it while both roots report training mode, and walks again after
+    anything (validation) put the model into evaluation mode through its root."""
+    import torch.nn as nn
+    from fairseq.trainer import Trainer
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.Sequential(nn.Dropout(0.1), nn.Linear(3, 2)))
+    criterion = nn.Module()
+    walks = []
+    real_train = nn.Module.train
+
+    def counting_train(self, mode=True):
+        walks.append(type(self).__name__)
+        return real_train(self, mode)
+
+    def fake_train_step(self, samples, raise_oom=False):  # what fairseq does first in its train_step
+        self.model.train()
+        self.criterion.train()
+        return all(m.training for m in self.model.modules()) and self.criterion.training
+
+    monkeypatch.setattr(nn.Module, "train", counting_train)
+    monkeypatch.setattr(Trainer, "train_step", fake_train_step)
+    trainer = LSTrainer.__new__(LSTrainer)
+    trainer._wrapped_model, trainer._wrapped_criterion = model, criterion
+    model.eval()
+
+    assert trainer.train_step([]) and walks  # first step: the full walk
+    walks.clear()
+    assert trainer.train_step([]) and trainer.train_step([])
+    assert walks == []  # skipped while the roots stay in training mode
+    assert "train" not in model.__dict__ and "train" not in criterion.__dict__
+    model.eval()  # e.g. validation
+    assert not any(m.training for m in model.modules())
+    assert trainer.train_step([]) and walks  # walked again: every module back in training mode

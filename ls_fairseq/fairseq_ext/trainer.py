@@ -11,12 +11,18 @@ changes is only when the host waits for the GPU:
   Python float (one device-to-host copy each) to build the dictionary ``train_step``
   returns, which fairseq's loop only tests against ``None``; the dictionary is now built when
   something reads it. The meters themselves are logged exactly as before and are read at
-  ``--log-interval`` as usual.
+  ``--log-interval`` as usual;
+* the model is not walked module by module to set training mode on every step. fairseq calls
+  ``model.train()`` and ``criterion.train()`` at the start of each step (a recursive walk over
+  hundreds of modules, ~1 ms of host time); once a step has done so and both roots still report
+  training mode, the next steps skip the walk. Anything that switches the model to evaluation
+  through its root (validation, generation) clears the root flag and the walk happens again.
 
 Nothing else differs; ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fairseq's
 Trainer unchanged (for comparisons).
 """
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -74,7 +80,28 @@ class DeferredLoggingOutput(Mapping):
         return repr(self._get())
 
 
+@contextlib.contextmanager
+def _train_mode_kept(*modules):
+    """Within the block, ``m.train()`` returns ``m`` without walking its submodules."""
+    for m in modules:
+        object.__setattr__(m, "train", lambda mode=True, _m=m: _m if mode else type(_m).train(_m, mode))
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop("train", None)
+
+
 class LSTrainer(Trainer):
+    def train_step(self, samples, raise_oom=False):
+        model, criterion = self.model, self.criterion
+        if self.__dict__.get("_ls_train_mode_set") and model.training and criterion.training:
+            with _train_mode_kept(model, criterion):
+                return super().train_step(samples, raise_oom)
+        out = super().train_step(samples, raise_oom)
+        self._ls_train_mode_set = True
+        return out
+
     def _prepare_sample(self, sample, is_dummy=False):
         if self.cuda and not self.pipeline_model_parallel and isinstance(sample, dict) and len(sample) > 0:
             sample = pin_sample(sample)
