@@ -196,3 +196,29 @@ def test_logit_rows_rejected_while_decoding():
     enc = model.encoder(src, src_lengths=lengths)
     with pytest.raises(ValueError, match="incremental decoding"):
         model.decoder(prev[:, :1], encoder_out=enc, incremental_state={}, logit_rows=torch.tensor([0]))
+
+
+def test_precomputed_counted_rows_are_used(monkeypatch):
+    """A sample carrying counted_rows(target) (LSTrainer computes it on the host) gives the same loss
+    without the criterion computing the rows again."""
+    from _models import build_model, make_dict, random_batch
+
+    from ls_fairseq.fairseq_ext.criterion import COUNTED_ROWS_KEY
+
+    d = make_dict(23)
+    src, lengths, prev, tgt = random_batch(d, seed=5)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
+              "target": tgt, "ntokens": int(tgt.ne(d.pad()).sum())}
+    task = SimpleNamespace(target_dictionary=d, source_dictionary=d)
+    model = build_model("ls_transformer_tiny", d, dropout=0.0).eval()
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1, ignore_prefix_size=1)
+    want = crit(model, sample)[0]
+    rows = crit.counted_rows(tgt)
+    assert rows.tolist() == [i for i, t in enumerate(tgt.reshape(-1).tolist()) if t != d.pad() and i % tgt.shape[1] >= 1]
+
+    def fail(target):
+        raise AssertionError("rows recomputed")
+
+    monkeypatch.setattr(crit, "counted_rows", fail)
+    got = crit(model, dict(sample, **{COUNTED_ROWS_KEY: rows}))[0]
+    torch.testing.assert_close(got, want)

@@ -82,3 +82,24 @@ def test_training_mode_walk_is_skipped_only_while_the_roots_stay_in_training(mon
     model.eval()  # e.g. validation
     assert not any(m.training for m in model.modules())
     assert trainer.train_step([]) and walks  # walked again: every module back in training mode
+
+
+def test_counted_rows_found_on_the_host_for_ls_models_only():
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+    from _models import build_model, make_dict, random_batch
+
+    from ls_fairseq.fairseq_ext.criterion import LSLabelSmoothedCrossEntropyCriterion
+
+    d = make_dict(20)
+    _, _, _, tgt = random_batch(d)
+    task = SimpleNamespace(target_dictionary=d, source_dictionary=d)
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    trainer = LSTrainer.__new__(LSTrainer)
+    trainer._criterion, trainer._model = crit, build_model("ls_transformer_tiny", d)
+    rows = trainer._counted_rows({"target": tgt})
+    assert torch.equal(rows, tgt.reshape(-1).ne(d.pad()).nonzero().squeeze(1))
+    assert trainer._counted_rows({"net_input": {}}) is None  # no target
+    trainer._model = nn.Linear(2, 2)  # not an ls_transformer: its forward takes no logit_rows
+    assert trainer._counted_rows({"target": tgt}) is None

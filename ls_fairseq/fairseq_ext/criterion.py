@@ -49,6 +49,11 @@ def _check_model(model):
         )
 
 
+# A sample may carry the result of counted_rows(sample["target"]) under this key, computed on the
+# host before the batch is copied to the GPU (LSTrainer does): the forward then needs no device sync.
+COUNTED_ROWS_KEY = "ls_counted_rows"
+
+
 def _unwrap(model):
     """The model inside fairseq's DDP wrappers or a DeepSpeed engine (each keeps it as ``.module``)."""
     for _ in range(4):
@@ -80,10 +85,9 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             return super().forward(model, sample, reduce=reduce)
         _check_model(model)
         target = model.get_targets(sample, None)
-        keep = target.ne(self.padding_idx)
-        if self.ignore_prefix_size > 0:
-            keep[:, : self.ignore_prefix_size] = False
-        rows = keep.reshape(-1).nonzero().squeeze(1)
+        rows = sample.get(COUNTED_ROWS_KEY)
+        if rows is None:
+            rows = self.counted_rows(target)  # on the GPU this waits for the device (dynamic size)
         logits, _ = model(**sample["net_input"], logit_rows=rows)
         if logits.dim() != 2 or logits.shape[0] != rows.numel():
             raise ValueError(
@@ -104,6 +108,13 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             logging_output["n_correct"] = utils.item(logits.argmax(1).eq(target).sum().data)
             logging_output["total"] = rows.numel()
         return loss, sample_size, logging_output
+
+    def counted_rows(self, target):
+        """Indices into the flattened target of the positions the loss counts (int64 [N])."""
+        keep = target.ne(self.padding_idx)
+        if self.ignore_prefix_size > 0:
+            keep[:, : self.ignore_prefix_size] = False
+        return keep.reshape(-1).nonzero().squeeze(1)
 
     def get_logits_and_target(self, model, net_output, sample):
         """Raw logits [N, V] and targets [N], after --ignore-prefix-size."""

@@ -16,7 +16,10 @@ changes is only when the host waits for the GPU:
   ``model.train()`` and ``criterion.train()`` at the start of each step (a recursive walk over
   hundreds of modules, ~1 ms of host time); once a step has done so and both roots still report
   training mode, the next steps skip the walk. Anything that switches the model to evaluation
-  through its root (validation, generation) clears the root flag and the walk happens again.
+  through its root (validation, generation) clears the root flag and the walk happens again;
+* with ls_label_smoothed_cross_entropy and an ls_transformer, the target positions the loss
+  counts are found while the batch is still on the host, so that the logits of exactly those
+  rows can be computed without the forward waiting for the device to report their number.
 
 Nothing else differs; ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fairseq's
 Trainer unchanged (for comparisons).
@@ -30,6 +33,12 @@ from collections.abc import Mapping
 import torch
 from fairseq import metrics, utils
 from fairseq.trainer import Trainer
+
+from ls_fairseq.fairseq_ext.criterion import (
+    COUNTED_ROWS_KEY,
+    LSLabelSmoothedCrossEntropyCriterion,
+    takes_logit_rows,
+)
 
 logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same lines as its Trainer
 
@@ -104,8 +113,22 @@ class LSTrainer(Trainer):
 
     def _prepare_sample(self, sample, is_dummy=False):
         if self.cuda and not self.pipeline_model_parallel and isinstance(sample, dict) and len(sample) > 0:
+            rows = self._counted_rows(sample)
             sample = pin_sample(sample)
+            if rows is not None:
+                sample[COUNTED_ROWS_KEY] = rows.pin_memory()
         return super()._prepare_sample(sample, is_dummy)
+
+    def _counted_rows(self, sample):
+        """The target positions ls_label_smoothed_cross_entropy counts, found on the host while the
+        target is still there (on the GPU the dynamic size would make the forward wait for the device)."""
+        criterion = self.__dict__.get("_criterion")
+        target = sample.get("target")
+        if not isinstance(criterion, LSLabelSmoothedCrossEntropyCriterion) or not torch.is_tensor(target):
+            return None
+        if target.device.type != "cpu" or COUNTED_ROWS_KEY in sample or not takes_logit_rows(self._model):
+            return None
+        return criterion.counted_rows(target)
 
     def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
         if self.tpu:
