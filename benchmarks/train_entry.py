@@ -4,6 +4,10 @@ per-epoch wall time measured around each epoch, and the peak GPU memory.
     python benchmarks/train_entry.py {native|ls} DATA [fairseq-train flags...]
 
 Lines it adds to the log:  BENCH epoch=N seconds=S tgt_tokens=W  and  BENCH peak_mem_gb=G
+
+The peak is torch.cuda.max_memory_allocated() over the whole run: fairseq's Trainer resets the peak
+statistics after every step (for its gb_free meter), which here is turned into a no-op, or the value
+read at the end would only cover the last step's tail (the static weights and optimizer state).
 """
 
 import os
@@ -43,6 +47,8 @@ def main():
         return out
 
     fs_train.train = timed_train
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats = lambda *a, **k: None  # the peak of the whole run (see above)
     from fairseq import trainer as fs_trainer
 
     step = fs_trainer.Trainer.train_step
