@@ -124,6 +124,18 @@ constexpr int kNormThreads = 512, kNormMaxBlocks = 1024;
 
 int64_t grad_norm_workspace() { return kNormMaxBlocks; }
 
+// Sum of v over a block of kNormThreads threads, in a fixed order; the result is valid in thread 0.
+__device__ __forceinline__ float block_sum_norm(float v) {
+  __shared__ float sh[kNormThreads / 32];
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kNormThreads / 32; ++w) t += sh[w];
+  return t;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads) sumsq_partial_kernel(const T* __restrict__ g, int64_t n, bool vec,
                                                                      float* __restrict__ partial) {
@@ -145,30 +157,16 @@ __global__ void __launch_bounds__(kNormThreads) sumsq_partial_kernel(const T* __
     const float v = to_f(g[i]);
     s += v * v;
   }
-  __shared__ float sh[kNormThreads / 32];
-  s = warp_sum(s);
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.f;
-    for (int w = 0; w < kNormThreads / 32; ++w) t += sh[w];
-    partial[blockIdx.x] = t;
-  }
+  s = block_sum_norm(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 __global__ void __launch_bounds__(kNormThreads) sqrt_sum_kernel(const float* __restrict__ partial, int G,
                                                                 float* __restrict__ out) {
   float s = 0.f;
   for (int i = threadIdx.x; i < G; i += kNormThreads) s += partial[i];
-  __shared__ float sh[kNormThreads / 32];
-  s = warp_sum(s);
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.f;
-    for (int w = 0; w < kNormThreads / 32; ++w) t += sh[w];
-    *out = sqrtf(t);
-  }
+  s = block_sum_norm(s);
+  if (threadIdx.x == 0) *out = sqrtf(s);
 }
 
 void grad_norm(DType dt, const void* grad, int64_t n, float* workspace, float* out, cudaStream_t stream) {

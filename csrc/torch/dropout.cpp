@@ -11,55 +11,63 @@ static ls::Act parse_act(const char* op, const std::string& a) {
   return ls::Act::None;
 }
 
-// -> (out, mask): mask is the uint8 bitmask (ceil(numel / 8) bytes, bit k of byte g = element 8g + k
-// kept), empty when p == 0.
+// What the two forward ops share: checks on x, p and bias, the device guard, the output, the dropout
+// bitmask (ceil(numel / 8) bytes, bit k of byte g = element 8g + k kept; empty when nothing is
+// dropped) and the RNG state.
+struct DropoutFwd {
+  c10::cuda::OptionalCUDAGuard guard;
+  int64_t C = 0;
+  ls::DType dt{};
+  OptTensor bias;
+  Tensor out, mask;
+  bool drop = false;
+  ls::PhiloxArgs rng{};
+
+  DropoutFwd(const char* op, const Tensor& x, const OptTensor& b, double p) {
+    LS_CHECK_INPUT(op, x);
+    LS_CHECK(x.dim() >= 1, op, ": x must have at least one dimension");
+    check_p(op, p);
+    C = x.size(-1);
+    dt = to_dtype(op, x);
+    bias = channel_param(op, "bias", b, x, C);
+    guard.set_device(x.device());
+    out = at::empty_like(x);
+    drop = p > 0.0 && x.numel() > 0;
+    mask = at::empty({drop ? ls::mask_bytes(x.numel()) : 0}, x.options().dtype(at::kByte));
+    if (drop) rng = philox_args();
+  }
+  uint8_t* mask_ptr() { return drop ? mask.data_ptr<uint8_t>() : nullptr; }
+};
+
+// -> (out, mask)
 std::vector<Tensor> bias_dropout_residual_fwd(const Tensor& x, const OptTensor& bias, const Tensor& residual,
                                               double p) {
   const char* op = "bias_dropout_residual_fwd";
   LS_CHECK_INPUT(op, x);
   LS_CHECK_INPUT(op, residual);
   LS_CHECK_SAME_DEVICE(op, x, residual);
-  LS_CHECK(x.dim() >= 1 && residual.sizes() == x.sizes(), op, ": residual shape ", residual.sizes(),
-              " != x shape ", x.sizes());
+  LS_CHECK(residual.sizes() == x.sizes(), op, ": residual shape ", residual.sizes(), " != x shape ", x.sizes());
   LS_CHECK_DTYPE(op, residual, x.scalar_type());
-  check_p(op, p);
-  const int64_t C = x.size(-1);
-  const ls::DType dt = to_dtype(op, x);
-  auto b = channel_param(op, "bias", bias, x, C);
-  c10::cuda::CUDAGuard guard(x.device());
-  Tensor out = at::empty_like(x);
-  const bool drop = p > 0.0 && x.numel() > 0;
-  Tensor mask = at::empty({drop ? ls::mask_bytes(x.numel()) : 0}, x.options().dtype(at::kByte));
-  ls::PhiloxArgs rng = drop ? philox_args() : ls::PhiloxArgs{};
+  DropoutFwd f(op, x, bias, p);
   launch(op, [&] {
-    ls::bias_dropout_residual_fwd(dt, x.data_ptr(), ptr_or_null(b), residual.data_ptr(), out.data_ptr(),
-                                  drop ? mask.data_ptr<uint8_t>() : nullptr, x.numel(), checked_int(op, "C", C),
-                                  drop ? (float)p : 0.f, rng, stream());
+    ls::bias_dropout_residual_fwd(f.dt, x.data_ptr(), ptr_or_null(f.bias), residual.data_ptr(), f.out.data_ptr(),
+                                  f.mask_ptr(), x.numel(), checked_int(op, "C", f.C), f.drop ? (float)p : 0.f,
+                                  f.rng, stream());
   });
-  return {out, mask};
+  return {f.out, f.mask};
 }
 
+// -> (out, mask)
 std::vector<Tensor> bias_act_dropout_fwd(const Tensor& x, const OptTensor& bias, const std::string& activation,
                                          double p) {
   const char* op = "bias_act_dropout_fwd";
-  LS_CHECK_INPUT(op, x);
-  LS_CHECK(x.dim() >= 1, op, ": x must have at least one dimension");
-  check_p(op, p);
   const ls::Act act = parse_act(op, activation);
-  const int64_t C = x.size(-1);
-  const ls::DType dt = to_dtype(op, x);
-  auto b = channel_param(op, "bias", bias, x, C);
-  c10::cuda::CUDAGuard guard(x.device());
-  Tensor out = at::empty_like(x);
-  const bool drop = p > 0.0 && x.numel() > 0;
-  Tensor mask = at::empty({drop ? ls::mask_bytes(x.numel()) : 0}, x.options().dtype(at::kByte));
-  ls::PhiloxArgs rng = drop ? philox_args() : ls::PhiloxArgs{};
+  DropoutFwd f(op, x, bias, p);
   launch(op, [&] {
-    ls::bias_act_dropout_fwd(dt, x.data_ptr(), ptr_or_null(b), out.data_ptr(),
-                             drop ? mask.data_ptr<uint8_t>() : nullptr, x.numel(), checked_int(op, "C", C),
-                             drop ? (float)p : 0.f, act, rng, stream());
+    ls::bias_act_dropout_fwd(f.dt, x.data_ptr(), ptr_or_null(f.bias), f.out.data_ptr(), f.mask_ptr(), x.numel(),
+                             checked_int(op, "C", f.C), f.drop ? (float)p : 0.f, act, f.rng, stream());
   });
-  return {out, mask};
+  return {f.out, f.mask};
 }
 
 // -> (dx, dbias (empty unless need_dbias)). activation "none": dx = dy * keep / (1 - p);
