@@ -30,6 +30,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 
 from ls_fairseq.fairseq_ext.model import LSTransformerModel
+from ls_fairseq.fairseq_ext.wrappers import wrapper_chain
 from ls_fairseq.ops import label_smoothed_cross_entropy
 
 logger = logging.getLogger(__name__)
@@ -54,19 +55,10 @@ def _check_model(model):
 COUNTED_ROWS_KEY = "ls_counted_rows"
 
 
-def _unwrap(model):
-    """The model inside fairseq's DDP wrappers or a DeepSpeed engine (each keeps it as ``.module``)."""
-    for _ in range(4):
-        inner = model.__dict__.get("_modules", {}).get("module")
-        if inner is None:
-            break
-        model = inner
-    return model
-
-
 def takes_logit_rows(model) -> bool:
     """Whether ``model``'s forward accepts ``logit_rows`` (ls_transformer and its subclasses)."""
-    return isinstance(_unwrap(model), LSTransformerModel)
+    *_, inner = wrapper_chain(model, 4)
+    return isinstance(inner, LSTransformerModel)
 
 
 @register_criterion("ls_label_smoothed_cross_entropy", dataclass=LSLabelSmoothedCrossEntropyConfig)

@@ -27,6 +27,7 @@ from omegaconf import II, OmegaConf
 from fairseq.dataclass import FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 
+from ls_fairseq.fairseq_ext.wrappers import wrapper_chain
 from ls_fairseq.optim.adam import LSAdam, check_hyperparams
 
 logger = logging.getLogger(__name__)
@@ -141,13 +142,7 @@ def _legacy_ddp(module):
     """fairseq's LegacyDistributedDataParallel inside ``module`` (it wraps it in a ModuleProxyWrapper), or None."""
     from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
 
-    for _ in range(3):
-        if isinstance(module, LegacyDistributedDataParallel):
-            return module
-        module = module.__dict__.get("_modules", {}).get("module")
-        if module is None:
-            return None
-    return None
+    return next((m for m in wrapper_chain(module, 2) if isinstance(m, LegacyDistributedDataParallel)), None)
 
 
 __all__ = ["LSAdamConfig", "LSFairseqAdam", "parse_betas"]
