@@ -1,4 +1,5 @@
-"""Helpers to build native and ls transformer models without data on disk."""
+"""Helpers for the tests: native and ls transformer models without data on disk, binarised toy data,
+checked command runs."""
 
 import argparse
 import types
@@ -41,6 +42,17 @@ def random_batch(d, B=3, S=7, T=5, seed=0):
     prev[1, -2:] = d.pad()
     lengths = src.ne(d.pad()).sum(1)
     return src, lengths, prev, tgt
+
+
+def run_checked(cmd, cwd, env, timeout: int):
+    """Run ``cmd``; its stdout + stderr, or an AssertionError with the command and the output's tail."""
+    import subprocess
+
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = res.stdout + res.stderr
+    if res.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{out[-6000:]}")
+    return out
 
 
 def binarize(root, src="en", tgt="de"):

@@ -3,14 +3,13 @@
 import os
 import random
 import re
-import subprocess
 from argparse import Namespace
 
 import pytest
 import torch
 
 from ls_fairseq.cli import convert
-from tests._models import binarize
+from tests._models import binarize, run_checked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the a house cat dog sees eats bread red car city old new book reads water child plays".split()
@@ -33,11 +32,7 @@ def _env():
 
 
 def _run(cmd, cwd, env=None):
-    res = subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=300)
-    out = res.stdout + res.stderr
-    if res.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{out[-5000:]}")
-    return out
+    return run_checked(cmd, cwd, env or _env(), timeout=300)
 
 
 def _train(cmd, arch, criterion, optimizer, data, save, cwd):

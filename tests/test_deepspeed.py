@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install
 from omegaconf import OmegaConf  # noqa: E402
 
 from ls_fairseq.cli import deepspeed_train  # noqa: E402
-from tests._models import binarize  # noqa: E402
+from tests._models import binarize, run_checked  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "configs", "deepspeed", "ds_cpu_fp32.json")
@@ -53,11 +52,7 @@ def _env():
 
 
 def _run(cmd, cwd, env=None):
-    res = subprocess.run(cmd, cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=400)
-    out = res.stdout + res.stderr
-    if res.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}):\n{out[-6000:]}")
-    return out
+    return run_checked(cmd, cwd, env or _env(), timeout=400)
 
 
 def _train_args(data, save_dir, max_update, extra=()):
