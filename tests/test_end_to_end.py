@@ -227,7 +227,7 @@ def test_plain_fairseq_generate_loads_an_ls_checkpoint(data_bin, straight_run, t
 def test_bf16_trains_on_cpu_without_tpu(data_bin, tmp_path, monkeypatch):
     """--bf16 without --tpu: starts, the model runs in bf16, the loss is finite, and the
     gradients reach the optimizer at every update (not only the first)."""
-    from fairseq.trainer import Trainer
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer as Trainer
 
     seen = []
     original = Trainer.train_step

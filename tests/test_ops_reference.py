@@ -312,6 +312,25 @@ def test_adam_reference_matches_fairseq_and_torch(mode):
     torch.testing.assert_close(ea, opt.state[ref]["exp_avg"])
 
 
+
+def test_adam_device_grad_scale_is_multiplied_in_and_nonfinite_skips():
+    n = 257
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-6, weight_decay=0.0, step=1)
+    g = rnd(n, seed=3, dtype=torch.float32)
+    a = [rnd(n, seed=4, dtype=torch.float32), torch.zeros(n), torch.zeros(n)]
+    b = [t.clone() for t in a]
+    ops.adam_(a[0], g, a[1], a[2], grad_scale=0.5, grad_scale_tensor=torch.tensor(0.25), **hp)
+    ops.adam_(b[0], g, b[1], b[2], grad_scale=0.125, **hp)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    before = [t.clone() for t in a]
+    for bad in (float("inf"), float("nan")):
+        ops.adam_(a[0], g, a[1], a[2], grad_scale_tensor=torch.tensor(bad), **hp)
+        for x, y in zip(a, before):
+            assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="grad_scale_tensor"):
+        ops.adam_(a[0], g, a[1], a[2], grad_scale_tensor=torch.ones(2), **hp)
+
 def test_grad_norm():
     g = rnd(1031, seed=1, dtype=torch.float16)
     n = ops.grad_norm(g)

@@ -70,6 +70,7 @@ def test_training_mode_walk_is_skipped_only_while_the_roots_stay_in_training(mon
 
     monkeypatch.setattr(nn.Module, "train", counting_train)
     monkeypatch.setattr(Trainer, "train_step", fake_train_step)
+    monkeypatch.setattr(LSTrainer, "_deferred_step_applies", lambda self: False)
     trainer = LSTrainer.__new__(LSTrainer)
     trainer._wrapped_model, trainer._wrapped_criterion = model, criterion
     model.eval()

@@ -6,6 +6,9 @@
 //   torch mode:   p = p * (1 - lr * wd); p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 // param_lp (optional) receives p rounded to its dtype in the same pass. When `norm` is given and not
 // finite, the kernel writes nothing: the step is skipped on the device, without a host sync.
+// `scale_dev` (optional, device fp32 scalar) multiplies grad_scale, read on the device: a factor that
+// is only known there (loss scale, clip coefficient) needs no host sync; a non-finite factor also
+// skips the step.
 // grad_norm: per-block fp32 sums of squares (fixed grid), then one block sums the partials in a
 // fixed order and takes the square root: deterministic; inf / NaN propagate.
 #include <cmath>
@@ -31,8 +34,13 @@ __device__ __forceinline__ void adam_one(float& p, float g_raw, float& m, float&
 template <typename G, typename L, bool VEC>
 __global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
                             float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, int64_t n, AdamCoef c,
-                            const float* __restrict__ norm) {
+                            const float* __restrict__ norm, const float* __restrict__ scale_dev) {
   if (norm != nullptr && !isfinite(*norm)) return;
+  if (scale_dev != nullptr) {
+    const float s = *scale_dev;
+    if (!isfinite(s)) return;
+    c.grad_scale *= s;
+  }
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   int64_t done = 0;
@@ -84,22 +92,23 @@ __global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ gra
 
 template <typename G, typename L>
 static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, int64_t n, const AdamCoef& c,
-                        const float* norm, cudaStream_t stream) {
+                        const float* norm, const float* scale_dev, cudaStream_t stream) {
   const int threads = 256;
   const int blocks = (int)std::max<int64_t>(1, std::min<int64_t>((n / 4 + threads - 1) / threads, (int64_t)num_sms() * 8));
   const bool vec = aligned16(param) && aligned16(m) && aligned16(v) && ((uintptr_t)grad % (4 * sizeof(G)) == 0) &&
                    (lp == nullptr || (uintptr_t)lp % (4 * sizeof(L)) == 0);
   if (vec)
     adam_kernel<G, L, true><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                            static_cast<L*>(lp), n, c, norm);
+                                                            static_cast<L*>(lp), n, c, norm, scale_dev);
   else
     adam_kernel<G, L, false><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                             static_cast<L*>(lp), n, c, norm);
+                                                             static_cast<L*>(lp), n, c, norm, scale_dev);
   LS_CHECK_LAUNCH("adam_step", stream);
 }
 
 void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
-               void* param_lp, int64_t n, AdamArgs a, const float* norm, cudaStream_t stream) {
+               void* param_lp, int64_t n, AdamArgs a, const float* norm, const float* scale_dev,
+               cudaStream_t stream) {
   if (n <= 0) return;
   const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
   const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
@@ -115,7 +124,7 @@ void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float
     c.inv_sqrt_bc2 = 1.f;
   }
   LS_DISPATCH(grad_dt, G, {
-    LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, n, c, norm, stream));
+    LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, n, c, norm, scale_dev, stream));
   });
 }
 

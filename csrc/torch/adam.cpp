@@ -5,7 +5,8 @@ namespace ls_torch {
 
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
-               int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite) {
+               int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite,
+               const OptTensor& grad_scale_tensor) {
   const char* op = "adam_step";
   const int64_t n = param.numel();
   for (const Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
@@ -32,13 +33,21 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
     LS_CHECK(skip_if_nonfinite->numel() == 1, op, ": skip_if_nonfinite must be a scalar tensor");
     norm = skip_if_nonfinite->data_ptr<float>();
   }
+  const float* scale_dev = nullptr;
+  if (present(grad_scale_tensor)) {
+    LS_CHECK_INPUT(op, *grad_scale_tensor);
+    LS_CHECK_SAME_DEVICE(op, param, *grad_scale_tensor);
+    LS_CHECK_DTYPE(op, *grad_scale_tensor, at::kFloat);
+    LS_CHECK(grad_scale_tensor->numel() == 1, op, ": grad_scale_tensor must be a scalar tensor");
+    scale_dev = grad_scale_tensor->data_ptr<float>();
+  }
   c10::cuda::CUDAGuard guard(param.device());
   ls::AdamArgs a{(float)lr, (float)beta1, (float)beta2, (float)eps, (float)weight_decay, (float)grad_scale, step,
                  torch_mode};
   launch(op, [&] {
     ls::adam_step(gdt, ldt, param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
                   exp_avg_sq.data_ptr<float>(), present(param_lp) ? param_lp->data_ptr() : nullptr, n, a, norm,
-                  stream());
+                  scale_dev, stream());
   });
 }
 

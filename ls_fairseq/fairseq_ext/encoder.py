@@ -50,7 +50,10 @@ class LSTransformerEncoder(FairseqEncoder):
                              zero_pad=True)
 
     def forward(self, src_tokens, src_lengths: Optional[torch.Tensor] = None, return_all_hiddens: bool = False,
-                token_embeddings: Optional[torch.Tensor] = None):
+                token_embeddings: Optional[torch.Tensor] = None, src_has_padding: Optional[bool] = None):
+        """fairseq's encoder forward. ``src_has_padding`` (optional): whether ``src_tokens`` holds any
+        padding, when the caller already knows it from the batch on the host (lightseq-train's trainer
+        does); without it the encoder tests the tokens on the GPU, which makes the host wait."""
         if token_embeddings is not None:
             raise ValueError("ls_transformer does not accept precomputed token_embeddings")
         T = src_tokens.shape[1]
@@ -64,7 +67,7 @@ class LSTransformerEncoder(FairseqEncoder):
         # mask attention takes the flash kernels. This is the forward pass's only host-side
         # test of GPU data, made first, while the GPU queue is short; the decoder reuses it
         # (an empty "encoder_padding_mask" list means: no padding).
-        has_pads = bool(padding_mask.any())
+        has_pads = bool(padding_mask.any()) if src_has_padding is None else bool(src_has_padding)
         key_padding_mask = padding_mask if has_pads else None
         x = self.forward_embedding(src_tokens)  # [B, T, C], pads zeroed
         states: List[torch.Tensor] = []

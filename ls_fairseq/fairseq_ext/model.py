@@ -42,11 +42,14 @@ class LSTransformerModel(native.TransformerModel):
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, return_all_hiddens: bool = True,
                 features_only: bool = False, alignment_layer: Optional[int] = None,
-                alignment_heads: Optional[int] = None, logit_rows: Optional[torch.Tensor] = None):
+                alignment_heads: Optional[int] = None, logit_rows: Optional[torch.Tensor] = None,
+                src_has_padding: Optional[bool] = None):
         """fairseq's encoder-decoder forward; ``logit_rows`` (int64 [N], indices into the flattened
         [batch * length] target positions) makes the decoder return logits [N, vocab] for those rows
-        only (ls_label_smoothed_cross_entropy passes the non-padding positions)."""
-        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)
+        only (ls_label_smoothed_cross_entropy passes the non-padding positions); ``src_has_padding``
+        tells the encoder whether the source has padding (see LSTransformerEncoder.forward)."""
+        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, return_all_hiddens=return_all_hiddens,
+                                   src_has_padding=src_has_padding)
         return self.decoder(prev_output_tokens, encoder_out=encoder_out, features_only=features_only,
                             alignment_layer=alignment_layer, alignment_heads=alignment_heads,
                             src_lengths=src_lengths, return_all_hiddens=return_all_hiddens, logit_rows=logit_rows)

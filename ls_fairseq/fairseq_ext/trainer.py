@@ -1,37 +1,69 @@
 """LSTrainer: fairseq's Trainer without the per-step host stalls that do not change training.
 
 lightseq-train runs fairseq's own training loop with this subclass in place of
-``fairseq.trainer.Trainer``. Every update is computed exactly as fairseq computes it; what
-changes is only when the host waits for the GPU:
+``fairseq.trainer.Trainer``. Every update is computed as fairseq computes it; what changes is
+when the host waits for the GPU. fairseq's step reads GPU values on the host several times
+(the gradient norm for the fp16 loss scaler and the overflow test, the summed sample size in
+multi-GPU runs, the cross-rank gradient-norm check); each read drains the GPU queue, and the
+GPU then idles while Python prepares the next batch and launches its first kernels.
+
+The step that LSTrainer runs for ls_adam (``--optimizer ls_adam``, alone or under fairseq's
+memory-efficient fp16/bf16 wrapper) reads nothing back:
+
+* the fp16 loss scale lives on the GPU. The backward multiplies the loss by it, the unscale
+  factor, the clip coefficient and the overflow test are computed on the GPU and handed to the
+  fused Adam kernel as one device factor, which skips the update when it is not finite;
+* the outcome of update n (gradient norm, overflow, the ranks' norms) is copied to pinned
+  host memory and read during update n + 1, after that update's forward and backward have been
+  queued and before its Adam step is: by then the GPU has long finished it, so reading costs
+  no idle time. Then the host does what fairseq does right away: on overflow it logs fairseq's
+  "gradient overflow detected" line, lowers its loss scale, takes the update back from the
+  update count (so the learning rate and Adam's bias correction of update n + 1 are exactly
+  fairseq's) and logs no statistics for it; otherwise it logs the statistics of update n.
+  The next loss scale is chosen on the GPU from the two values the host precomputes with
+  fairseq's own DynamicLossScaler (after an overflow, after a clean step), so update n + 1's
+  backward already uses the scale fairseq would use;
+* the update is resolved at once (one wait) whenever something reads the exact count: updates
+  that end a --log-interval, --save-interval-updates, --validate-interval-updates or
+  --max-update, the last update of an epoch, and before checkpoints, validation and
+  learning-rate steps. Between two updates, ``get_num_updates()`` may count the previous
+  update before it is known whether it overflowed (fp16 overflows are rare after the first
+  steps); nothing that fairseq's loop decides is based on that provisional count;
+* multi-GPU: the logging statistics and the sample size are summed across ranks in one
+  collective on the GPU (host numbers travel through pinned memory), and the cross-rank
+  gradient-norm check is evaluated when the update is resolved.
+
+Other host stalls removed for every optimizer:
 
 * batches are copied to the GPU from pinned memory. fairseq's ``move_to_cuda`` asks for a
   non-blocking copy, but from ordinary (pageable) memory the CUDA driver first waits for the
-  whole stream to drain, so every step began with an empty GPU queue;
-* the per-step statistics stay on the GPU. fairseq turns every meter of the step into a
-  Python float (one device-to-host copy each) to build the dictionary ``train_step``
-  returns, which fairseq's loop only tests against ``None``; the dictionary is now built when
-  something reads it. The meters themselves are logged exactly as before and are read at
-  ``--log-interval`` as usual;
-* the model is not walked module by module to set training mode on every step. fairseq calls
-  ``model.train()`` and ``criterion.train()`` at the start of each step (a recursive walk over
-  hundreds of modules, ~1 ms of host time); once a step has done so and both roots still report
-  training mode, the next steps skip the walk. Anything that switches the model to evaluation
-  through its root (validation, generation) clears the root flag and the walk happens again;
-* with ls_label_smoothed_cross_entropy and an ls_transformer, the target positions the loss
-  counts are found while the batch is still on the host, so that the logits of exactly those
-  rows can be computed without the forward waiting for the device to report their number.
+  whole stream to drain;
+* the per-step statistics stay on the GPU until something reads them (``--log-interval``);
+* the model is not walked module by module to set training mode on every step while the roots
+  stay in training mode (anything that switches the model to evaluation through its root,
+  validation or generation, makes the next step walk again);
+* with an ls_transformer, the target positions ls_label_smoothed_cross_entropy counts and
+  whether the source has padding are found while the batch is still on the host.
 
-Nothing else differs; ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fairseq's
-Trainer unchanged (for comparisons).
+``LS_FAIRSEQ_SYNC_STEP=1`` keeps fairseq's step body (with the stalls above, still on
+LSTrainer); ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fairseq's Trainer unchanged.
+Other optimizers, --amp, --use-bmuf, --ema, FSDP, SlowMo, model/pipeline parallelism and tasks
+with their own ``optimizer_step`` take fairseq's step body.
 """
 
 import contextlib
+import copy
 import logging
+import math
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
 from fairseq import metrics, utils
+from fairseq.distributed import utils as distributed_utils
+from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
+from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
 from ls_fairseq.fairseq_ext.criterion import (
@@ -39,12 +71,19 @@ from ls_fairseq.fairseq_ext.criterion import (
     LSLabelSmoothedCrossEntropyCriterion,
     takes_logit_rows,
 )
+from ls_fairseq.fairseq_ext.optimizer import LSFairseqAdam
 
 logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same lines as its Trainer
+
+SRC_PADDING_KEY = "src_has_padding"  # net_input entry the ls_transformer encoder reads
 
 
 def plain_trainer_requested() -> bool:
     return os.environ.get("LS_FAIRSEQ_PLAIN_TRAINER") == "1"
+
+
+def sync_step_requested() -> bool:
+    return os.environ.get("LS_FAIRSEQ_SYNC_STEP") == "1"
 
 
 def pin_sample(sample):
@@ -59,19 +98,31 @@ def pin_sample(sample):
 
 
 class DeferredLoggingOutput(Mapping):
-    """The dictionary ``train_step`` returns, computed from the step's meters on first read."""
+    """The dictionary ``train_step`` returns, computed from the step's meters on first read.
 
-    def __init__(self, agg, sample_size):
+    ``resolve`` (optional) is called first: it settles a step whose outcome is still on the GPU.
+    A step that overflowed has no statistics (fairseq returns None for it): the mapping is empty."""
+
+    def __init__(self, agg=None, sample_size=None, resolve=None):
         self._agg = agg
         self._sample_size = sample_size
+        self._resolve = resolve
         self._values = None
+
+    def _settle(self, agg, sample_size):
+        self._agg, self._sample_size = agg, sample_size
 
     def _get(self):
         if self._values is None:
-            values = self._agg.get_smoothed_values()
-            values["sample_size"] = self._sample_size
-            for key in ("ppl", "wps", "wpb", "bsz"):
-                values.pop(key, None)
+            if self._resolve is not None:
+                resolve, self._resolve = self._resolve, None
+                resolve()
+            values = {}
+            if self._agg is not None:
+                values = self._agg.get_smoothed_values()
+                values["sample_size"] = self._sample_size
+                for key in ("ppl", "wps", "wpb", "bsz"):
+                    values.pop(key, None)
             self._values = values
             self._agg = None
         return self._values
@@ -101,19 +152,410 @@ def _train_mode_kept(*modules):
             m.__dict__.pop("train", None)
 
 
+class _ScaledLossOptimizer:
+    """The optimizer as the task sees it in a deferred step: ``backward`` multiplies the loss by the
+    loss scale held on the device (fairseq's wrapper multiplies by its host copy)."""
+
+    def __init__(self, optimizer, scale):
+        self._optimizer = optimizer
+        self._scale = scale
+
+    def backward(self, loss):
+        if self._scale is not None:
+            loss = loss * self._scale
+        loss.backward()
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+def scale_candidates(scaler):
+    """(loss scale after a clean update, loss scale after an overflow), by running fairseq's own
+    DynamicLossScaler logic on two copies of ``scaler``."""
+    ok = copy.copy(scaler)
+    ok.update()
+    bad = copy.copy(scaler)
+    try:
+        bad.check_overflow(float("inf"))
+    except (OverflowError, FloatingPointError):
+        pass  # FloatingPointError (minimum scale reached) is raised again when the real scaler sees it
+    return float(ok.loss_scale), float(bad.loss_scale)
+
+
+class _PendingStep:
+    """An update whose outcome (gradient norm, the ranks' norms) is still on the device."""
+
+    def __init__(self, status, logging_outputs, sample_size, clip_norm):
+        self.logging_outputs = logging_outputs
+        self.sample_size = sample_size
+        self.clip_norm = clip_norm
+        self.output = None  # the DeferredLoggingOutput handed to fairseq's loop
+        self.event = None
+        if status.device.type == "cuda":
+            self.host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+            self.host.copy_(status, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = status
+
+    def values(self):
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def _inconsistent(norms) -> bool:
+    """fairseq's cross-rank gradient-norm test (Trainer._check_grad_norms), on host numbers."""
+    if not all(math.isfinite(n) for n in norms):
+        return True
+    ref = norms[0]
+    return max(abs(n - ref) for n in norms) / (ref + 1e-6) >= 1e-6
+
+
 class LSTrainer(Trainer):
+    # ------------------------------------------------------------------ step
     def train_step(self, samples, raise_oom=False):
         model, criterion = self.model, self.criterion
-        if self.__dict__.get("_ls_train_mode_set") and model.training and criterion.training:
-            with _train_mode_kept(model, criterion):
-                return super().train_step(samples, raise_oom)
-        out = super().train_step(samples, raise_oom)
+        deferred = self._deferred_step_applies()
+        if not deferred:
+            self._ls_resolve()
+        keep = self.__dict__.get("_ls_train_mode_set") and model.training and criterion.training
+        with _train_mode_kept(model, criterion) if keep else contextlib.nullcontext():
+            if deferred:
+                out = self._deferred_train_step(samples, raise_oom)
+            else:
+                out = super().train_step(samples, raise_oom)
         self._ls_train_mode_set = True
         return out
 
+    def _deferred_step_applies(self) -> bool:
+        """Whether this run can take the step without host reads (decided once per optimizer)."""
+        opt = self.optimizer
+        seen = self.__dict__.get("_ls_deferred")
+        if seen is not None and seen[0] is opt:
+            return seen[1]
+        inner = opt.wrapped_optimizer if isinstance(opt, MemoryEfficientFP16Optimizer) else opt
+        cfg = self.cfg
+        reason = None
+        if sync_step_requested():
+            reason = "LS_FAIRSEQ_SYNC_STEP=1"
+        elif not isinstance(inner, LSFairseqAdam):
+            reason = f"optimizer {type(inner).__name__} (the deferred step needs ls_adam)"
+        elif self.tpu or cfg.common.amp or cfg.optimization.use_bmuf or cfg.ema.store_ema:
+            reason = "--tpu / --amp / --use-bmuf / --ema"
+        elif self.is_fsdp or cfg.distributed_training.ddp_backend == "slowmo":
+            reason = f"--ddp-backend {cfg.distributed_training.ddp_backend}"
+        elif self.pipeline_model_parallel or cfg.common.model_parallel_size > 1:
+            reason = "model / pipeline parallelism"
+        elif type(self.task).optimizer_step is not FairseqTask.optimizer_step:
+            reason = f"task {type(self.task).__name__} has its own optimizer_step"
+        elif self.data_parallel_world_size > 1 and not self.get_criterion().logging_outputs_can_be_summed():
+            reason = "the criterion's logging outputs cannot be summed across ranks"
+        ok = reason is None
+        self._ls_deferred = (opt, ok)
+        if ok:
+            logger.info("LSTrainer: deferred step (the loss scale, clipping and the overflow test stay on "
+                        "the GPU; each update is settled during the next one)")
+        else:
+            logger.info("LSTrainer: fairseq's step body (%s)", reason)
+        return ok
+
+    def _deferred_train_step(self, samples, raise_oom=False):
+        """fairseq's Trainer.train_step for ls_adam, with every host read deferred (module docstring)."""
+        self._set_seed()
+        self.model.train()
+        self.criterion.train()
+        self.zero_grad()
+        metrics.log_start_time("train_wall", priority=800, round=0)
+
+        opt = self.optimizer
+        wrapper = opt if isinstance(opt, MemoryEfficientFP16Optimizer) else None
+        ls_adam = wrapper.wrapped_optimizer if wrapper is not None else opt
+        scaler = wrapper.scaler if wrapper is not None else None
+        scale = self._device_loss_scale(scaler)
+        task_opt = _ScaledLossOptimizer(opt, scale)
+        world = self.data_parallel_world_size
+
+        logging_outputs, sample_size, ooms = [], 0, 0
+        is_dummy_batch = False
+        for i, sample in enumerate(samples):  # delayed update loop
+            sample, is_dummy_batch = self._prepare_sample(sample)
+            no_sync = world > 1 and hasattr(self.model, "no_sync") and i < len(samples) - 1
+            try:
+                with self.model.no_sync() if no_sync else contextlib.nullcontext():
+                    loss, sample_size_i, logging_output = self.task.train_step(
+                        sample=sample, model=self.model, criterion=self.criterion, optimizer=task_opt,
+                        update_num=self.get_num_updates(), ignore_grad=is_dummy_batch,
+                    )
+                    del loss
+                logging_outputs.append(logging_output)
+                sample_size += sample_size_i
+                if self.cuda and self.get_num_updates() == 0:
+                    torch.cuda.empty_cache()
+            except RuntimeError as e:
+                if "out of memory" not in str(e):
+                    raise
+                self._log_oom(e)
+                if raise_oom:
+                    raise
+                logger.warning("attempting to recover from OOM in forward/backward pass")
+                ooms += 1
+                self.zero_grad()
+                if self.cuda:
+                    torch.cuda.empty_cache()
+                if self.cfg.distributed_training.distributed_world_size == 1:
+                    return None
+            except Exception:
+                self._ls_resolve_quietly()
+                self.consolidate_optimizer()
+                self.save_checkpoint(os.path.join(self.cfg.checkpoint.save_dir, "crash.pt"), {})
+                raise
+
+        if is_dummy_batch:
+            sample_size = sample_size.zero_() if torch.is_tensor(sample_size) else sample_size * 0.0
+        sample_size = sample_size.float() if torch.is_tensor(sample_size) else float(sample_size)
+
+        if self._sync_stats():
+            train_time = self._local_cumulative_training_time()
+            logging_outputs, (sample_size, ooms, total_train_time) = self._sum_stats_on_device(
+                logging_outputs, sample_size, ooms, train_time, ignore=is_dummy_batch)
+            self._cumulative_training_time = total_train_time / world
+
+        with torch.autograd.profiler.record_function("reduce-grads"):
+            opt.all_reduce_grads(self.model)
+            if utils.has_parameters(self.criterion):
+                opt.all_reduce_grads(self.criterion)
+
+        # the previous update, long finished on the GPU: settle it before this one uses the
+        # learning rate, the step count and the loss scale that depend on it
+        self._ls_resolve()
+
+        with torch.autograd.profiler.record_function("clip-grads"):
+            numer = world if self._sync_stats() else 1
+            if torch.is_tensor(sample_size):
+                factor = numer / torch.where(sample_size == 0, torch.ones_like(sample_size), sample_size)
+            else:
+                factor = numer / (sample_size or 1.0)
+            raw = ls_adam._optimizer.grad_norm()  # norm of the gradients as they are (loss-scaled)
+            clip = float(self.cfg.optimization.clip_norm)
+            if scale is not None:
+                # fairseq's fp16 wrapper keeps its factor in double precision (a Python float), and
+                # clips by clip / norm above the threshold; the same arithmetic here, on the device
+                factor = torch.as_tensor(factor, dtype=torch.float64, device=raw.device) / scale
+                grad_norm = raw * factor.float()
+                if clip > 0:
+                    gn = grad_norm.double()
+                    factor = factor * torch.where(gn > clip, clip / gn, torch.ones_like(gn))
+            else:  # bf16 wrapper and bare ls_adam: fp32 factor, torch's clip_grad_norm_ coefficient
+                factor = torch.as_tensor(factor, dtype=torch.float32, device=raw.device)
+                grad_norm = raw * factor
+                if clip > 0:
+                    factor = factor * (clip / (grad_norm + 1e-6)).clamp(max=1)
+            finite = torch.isfinite(grad_norm)
+            factor = torch.where(finite, factor, torch.full_like(factor, float("nan")))
+            status = [grad_norm.double().reshape(1)]
+            if self._grad_norm_buf is not None:  # fairseq's cross-rank check, read when settled
+                buf = self._grad_norm_buf
+                buf.zero_()
+                buf[self.data_parallel_rank] = grad_norm
+                distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
+                status.append(buf.clone())
+
+        with torch.autograd.profiler.record_function("optimizer"):
+            ls_adam._optimizer._grad_factor = factor  # read by the kernel; not finite: no update
+            ls_adam.step()
+            if scale is not None:
+                ok_scale, bad_scale = scale_candidates(scaler)
+                scale.copy_(torch.where(finite, torch.full_like(scale, ok_scale), torch.full_like(scale, bad_scale)))
+
+        pending = _PendingStep(torch.cat(status), logging_outputs, sample_size, clip)
+        self._ls_pending = pending
+        num_updates = self.get_num_updates() + 1
+        self.set_num_updates(num_updates)  # provisional until settled
+
+        if self.cuda and self.cuda_env is not None:
+            gb_used = torch.cuda.max_memory_allocated() / 1024 / 1024 / 1024
+            torch.cuda.reset_peak_memory_stats()
+            metrics.log_scalar("gb_free", self.cuda_env.total_memory_in_GB - gb_used, priority=1500, round=1,
+                               weight=0)
+        freq = self.cfg.common.empty_cache_freq
+        if self.cuda and freq > 0 and (num_updates + freq - 1) % freq == 0:
+            torch.cuda.empty_cache()
+
+        out = DeferredLoggingOutput(resolve=self._ls_resolve)
+        pending.output = out
+        if self._count_is_read_after(num_updates):
+            self._ls_resolve()
+        metrics.log_stop_time("train_wall")
+        return out
+
+    def _device_loss_scale(self, scaler):
+        """The fp16 loss scale as a one-element fp32 tensor on the device (None without a scaler).
+        With nothing pending the host scaler is exact and the device copy is refreshed from it."""
+        if scaler is None:
+            return None
+        t = self.__dict__.get("_ls_scale")
+        if t is None or t.device != self.device:
+            t = self._ls_scale = torch.empty((), dtype=torch.float32, device=self.device)
+            t.fill_(float(scaler.loss_scale))
+        elif self.__dict__.get("_ls_pending") is None:
+            t.fill_(float(scaler.loss_scale))
+        return t
+
+    def _count_is_read_after(self, num_updates) -> bool:
+        """Whether fairseq's loop acts on the update count after this update (log, save, validate,
+        stop, end of epoch): then the update is settled now."""
+        cfg = self.cfg
+        if num_updates % max(1, cfg.common.log_interval) == 0:
+            return True
+        for every in (cfg.checkpoint.save_interval_updates, cfg.dataset.validate_interval_updates):
+            if every and every > 0 and num_updates % every == 0:
+                return True
+        max_update = cfg.optimization.max_update
+        if (max_update and num_updates >= max_update) or cfg.optimization.stop_time_hours > 0:
+            return True
+        itr = self.__dict__.get("_ls_epoch_itr")
+        try:
+            return itr is not None and itr.end_of_epoch()
+        except AttributeError:  # no epoch started on it yet
+            return False
+
+    # -------------------------------------------------------- settling
+    def _ls_resolve(self):
+        """Settle the pending update: read its outcome and do the host side of fairseq's step."""
+        pending = self.__dict__.get("_ls_pending")
+        if pending is None:
+            return
+        self._ls_pending = None
+        values = pending.values()
+        grad_norm, norms = values[0], values[1:]
+        opt = self.optimizer
+        wrapper = opt if isinstance(opt, MemoryEfficientFP16Optimizer) else None
+        scaler = wrapper.scaler if wrapper is not None else None
+        if not math.isfinite(grad_norm):
+            if scaler is None:
+                raise FloatingPointError("gradients are Nan/Inf (the update was not applied)")
+            # fairseq: no update, the loss scale goes down, nothing is logged for this step
+            (wrapper.wrapped_optimizer if wrapper else opt)._optimizer.forget_last_step()
+            self.set_num_updates(self.get_num_updates() - 1)
+            try:
+                scaler.check_overflow(grad_norm)
+            except OverflowError as e:
+                logger.info(f"NOTE: gradient overflow detected, ignoring gradient, {str(e)}")
+            if pending.output is not None:
+                pending.output._settle(None, None)
+            return
+        if norms and _inconsistent(norms):
+            detail = "\n".join("rank {:3d} = {:.8f}".format(r, n) for r, n in enumerate(norms))
+            raise FloatingPointError(
+                "Fatal error: gradients are inconsistent between workers. Try --ddp-backend=legacy_ddp. "
+                "Or are you mixing up different generation of GPUs in training?\n" + "-" * 80
+                + "\ngrad_norm across the workers:\n{}\n".format(detail) + "-" * 80)
+        if scaler is not None:
+            scaler.update()
+        agg = self._log_step_stats(pending.logging_outputs, grad_norm, pending.clip_norm)
+        if self.cfg.common.fp16:
+            metrics.log_scalar("loss_scale", scaler.loss_scale, priority=700, round=4, weight=0)
+        if pending.output is not None:
+            pending.output._settle(agg, pending.sample_size)
+
+    def _ls_resolve_quietly(self):
+        try:
+            self._ls_resolve()
+        except (OverflowError, FloatingPointError) as e:
+            logger.warning("while settling the last update: %s", e)
+
+    def _sum_stats_on_device(self, logging_outputs, *extra_stats, ignore=False):
+        """fairseq's _fast_stat_sync_sum without host waits: one all-reduce of a double buffer on the
+        device; host numbers reach it through pinned memory. Results are device tensors."""
+        data = OrderedDict()
+        for i, stat in enumerate(extra_stats):
+            data["extra_stats_" + str(i)] = stat
+        log_keys = None
+        if logging_outputs:
+            log_keys = list(logging_outputs[0].keys())
+            for k in log_keys:
+                if not ignore:
+                    v = sum(log[k] for log in logging_outputs if k in log)
+                else:
+                    v = logging_outputs[0][k]
+                    v = torch.zeros_like(v) if torch.is_tensor(v) else 0
+                data["logging_outputs_" + k] = v
+        host_keys, host_vals, dev_keys, dev_vals = [], [], [], []
+        for k, v in data.items():
+            if torch.is_tensor(v) and v.device.type == self.device.type:
+                dev_keys.append(k)
+                dev_vals.append(v)
+            else:
+                host_keys.append(k)
+                host_vals.append(float(v))
+        parts = []
+        if host_vals:
+            host = torch.tensor(host_vals, dtype=torch.double)
+            if self.device.type == "cuda":
+                host = host.pin_memory().to(self.device, non_blocking=True)
+            parts.append(host)
+        parts += [v.detach().to(torch.double).reshape(-1) for v in dev_vals]
+        buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.double, device=self.device)
+        distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
+        out, pos = {}, 0
+        for k in host_keys:
+            out[k] = buf[pos]
+            pos += 1
+        for k, v in zip(dev_keys, dev_vals):
+            out[k] = buf[pos:pos + v.numel()].view(v.shape)
+            pos += v.numel()
+        stats = [out["extra_stats_" + str(i)] for i in range(len(extra_stats))]
+        summed = [{k: out["logging_outputs_" + k] for k in log_keys}] if log_keys is not None else []
+        return summed, stats
+
+    # ------------------------------------------ everything that reads the exact state settles first
+    def get_train_iterator(self, *args, **kwargs):
+        self._ls_resolve()
+        itr = super().get_train_iterator(*args, **kwargs)
+        self._ls_epoch_itr = itr
+        return itr
+
+    def begin_epoch(self, epoch):
+        self._ls_resolve()
+        return super().begin_epoch(epoch)
+
+    def begin_valid_epoch(self, epoch):
+        self._ls_resolve()
+        return super().begin_valid_epoch(epoch)
+
+    def valid_step(self, sample, raise_oom=False):
+        self._ls_resolve()
+        return super().valid_step(sample, raise_oom)
+
+    def lr_step(self, epoch, val_loss=None):
+        self._ls_resolve()
+        return super().lr_step(epoch, val_loss)
+
+    def lr_step_begin_epoch(self, epoch):
+        self._ls_resolve()
+        return super().lr_step_begin_epoch(epoch)
+
+    def state_dict(self):
+        self._ls_resolve()
+        return super().state_dict()
+
+    def save_checkpoint(self, filename, extra_state):
+        self._ls_resolve()
+        return super().save_checkpoint(filename, extra_state)
+
+    def load_checkpoint(self, *args, **kwargs):
+        self._ls_resolve()
+        out = super().load_checkpoint(*args, **kwargs)
+        self._ls_scale = None  # the loss scale may have been restored: refreshed from the host
+        return out
+
+    # ------------------------------------------------------------ batches
     def _prepare_sample(self, sample, is_dummy=False):
         if self.cuda and not self.pipeline_model_parallel and isinstance(sample, dict) and len(sample) > 0:
             rows = self._counted_rows(sample)
+            self._mark_source_padding(sample)
             sample = pin_sample(sample)
             if rows is not None:
                 sample[COUNTED_ROWS_KEY] = rows.pin_memory()
@@ -130,34 +572,46 @@ class LSTrainer(Trainer):
             return None
         return criterion.counted_rows(target)
 
-    def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
-        if self.tpu:
-            return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
-        if grad_norm is not None:
-            # Outside --amp a non-finite norm never gets here (fp16: OverflowError, which sets it
-            # to 0; otherwise FloatingPointError), so fairseq's host-side test is needed only then.
-            finite = True
-            if torch.is_tensor(grad_norm) and self.cfg.common.amp:
-                finite = bool(torch.isfinite(grad_norm))
-            if finite:
-                metrics.log_speed("ups", 1.0, priority=100, round=2)
-                metrics.log_scalar("gnorm", grad_norm, priority=400, round=3)
-                clip = self.cfg.optimization.clip_norm
-                if clip > 0:
-                    if torch.is_tensor(grad_norm):
-                        clipped = torch.where(grad_norm > clip, grad_norm.new_tensor(100), grad_norm.new_tensor(0))
-                    else:
-                        clipped = 100.0 if grad_norm > clip else 0.0
-                    metrics.log_scalar("clip", clipped, priority=500, round=1)
+    def _mark_source_padding(self, sample):
+        """Tell an ls_transformer whether the source has padding, read from the host copy of the batch."""
+        net_input = sample.get("net_input")
+        if not isinstance(net_input, dict) or SRC_PADDING_KEY in net_input:
+            return
+        src = net_input.get("src_tokens")
+        if not torch.is_tensor(src) or src.device.type != "cpu" or not takes_logit_rows(self._model):
+            return
+        net_input[SRC_PADDING_KEY] = bool(src.eq(self.task.source_dictionary.pad()).any())
 
+    # ------------------------------------------------------------ logging
+    def _log_step_stats(self, logging_outputs, grad_norm, clip):
+        """What fairseq's _reduce_and_log_stats logs for one update; returns the step's aggregator."""
+        if grad_norm is not None:
+            metrics.log_speed("ups", 1.0, priority=100, round=2)
+            metrics.log_scalar("gnorm", grad_norm, priority=400, round=3)
+            if clip > 0:
+                if torch.is_tensor(grad_norm):
+                    clipped = torch.where(grad_norm > clip, grad_norm.new_tensor(100), grad_norm.new_tensor(0))
+                else:
+                    clipped = 100.0 if grad_norm > clip else 0.0
+                metrics.log_scalar("clip", clipped, priority=500, round=1)
         with metrics.aggregate() as agg:
             if logging_outputs is not None:
                 self.task.reduce_metrics(logging_outputs, self.get_criterion())
-                del logging_outputs
             if "loss" not in agg:
                 if "loss" not in self._warn_once:
                     self._warn_once.add("loss")
                     logger.warning("the criterion's reduce_metrics logged no 'loss'; logging -1 in its place "
                                    "(progress lines and best-checkpoint selection read it)")
                 metrics.log_scalar("loss", -1)
+        return agg
+
+    def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
+        if self.tpu:
+            return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
+        if grad_norm is not None and torch.is_tensor(grad_norm) and self.cfg.common.amp:
+            # Outside --amp a non-finite norm never gets here (fp16: OverflowError, which sets it
+            # to 0; otherwise FloatingPointError), so fairseq's host-side test is needed only then.
+            if not bool(torch.isfinite(grad_norm)):
+                grad_norm = None
+        agg = self._log_step_stats(logging_outputs, grad_norm, self.cfg.optimization.clip_norm)
         return DeferredLoggingOutput(agg, sample_size)

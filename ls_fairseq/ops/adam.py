@@ -27,6 +27,11 @@ inf/NaN when any gradient is. Two ways to skip the update:
 
   The reference path does the same check (it syncs). The caller still has to learn about the
   overflow for its loss scaler, e.g. by reading ``norm`` later, when it syncs anyway.
+
+A factor that exists only on the device (a loss scale kept there, a clip coefficient computed
+from the norm) is passed as ``grad_scale_tensor`` (0-dim fp32 tensor): the gradient is
+multiplied by ``grad_scale * grad_scale_tensor``, read by the kernel, and a non-finite
+``grad_scale_tensor`` skips the step like ``skip_if_nonfinite`` does. No host sync either way.
 The fused path is one launch for the update and two small ones for the norm.
 """
 
@@ -41,9 +46,14 @@ MODES = ("fairseq", "torch")
 
 
 def adam_reference_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                    grad_scale=1.0, param_lp=None, mode="fairseq", skip_if_nonfinite=None):
+                    grad_scale=1.0, param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None):
     if skip_if_nonfinite is not None and not bool(torch.isfinite(skip_if_nonfinite)):
         return
+    if grad_scale_tensor is not None:
+        factor = float(grad_scale_tensor)
+        if not math.isfinite(factor):
+            return
+        grad_scale = float(torch.tensor(grad_scale, dtype=torch.float32) * torch.tensor(factor, dtype=torch.float32))
     g = grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
@@ -80,21 +90,28 @@ def _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step):
 
 
 def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
-          param_lp=None, mode="fairseq", skip_if_nonfinite=None):
+          param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None):
     """In-place update of param, exp_avg, exp_avg_sq (and param_lp).
 
     ``skip_if_nonfinite``: optional 0-dim fp32 tensor (e.g. :func:`grad_norm`'s result); when it is
     inf/NaN nothing is updated (checked on the device by the fused kernel).
+    ``grad_scale_tensor``: optional one-element fp32 tensor on param's device, multiplied into
+    ``grad_scale`` on the device; when it is inf/NaN nothing is updated.
     """
     _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step)
-    mod = kernel_module("adam", param, grad, exp_avg, exp_avg_sq, param_lp, skip_if_nonfinite)
+    if grad_scale_tensor is not None:
+        if not torch.is_tensor(grad_scale_tensor) or grad_scale_tensor.numel() != 1:
+            raise ValueError("adam: grad_scale_tensor must be a one-element tensor")
+        if grad_scale_tensor.device != param.device:
+            raise ValueError(f"adam: grad_scale_tensor is on {grad_scale_tensor.device}, param on {param.device}")
+    mod = kernel_module("adam", param, grad, exp_avg, exp_avg_sq, param_lp, skip_if_nonfinite, grad_scale_tensor)
     flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, param_lp))
     if mod is not None and flat:
         return _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step,
-                      grad_scale, param_lp, mode, skip_if_nonfinite)
+                      grad_scale, param_lp, mode, skip_if_nonfinite, grad_scale_tensor)
     return adam_reference_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_lp=param_lp,
-                           mode=mode, skip_if_nonfinite=skip_if_nonfinite)
+                           mode=mode, skip_if_nonfinite=skip_if_nonfinite, grad_scale_tensor=grad_scale_tensor)
 
 
 def grad_norm_reference(grad):
@@ -110,12 +127,14 @@ def grad_norm(grad):
 
 
 def _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale, param_lp,
-           mode, skip_if_nonfinite=None):  # kernel slot
-    norm = None
+           mode, skip_if_nonfinite=None, grad_scale_tensor=None):  # kernel slot
+    norm = factor = None
     if skip_if_nonfinite is not None:
         norm = skip_if_nonfinite.detach().float().reshape(()).contiguous()
+    if grad_scale_tensor is not None:
+        factor = grad_scale_tensor.detach().float().reshape(()).contiguous()
     call("adam_step", param, grad.contiguous(), exp_avg, exp_avg_sq, param_lp, float(lr), float(beta1), float(beta2),
-         float(eps), float(weight_decay), int(step), float(grad_scale), mode == "torch", norm)
+         float(eps), float(weight_decay), int(step), float(grad_scale), mode == "torch", norm, factor)
 
 
 def _fused_norm(mod, grad):  # kernel slot

@@ -51,10 +51,6 @@ def check_hyperparams(lr, betas, eps, weight_decay, mode="fairseq"):
     return b1, b2
 
 
-def _to_float(x):
-    return float(x) if torch.is_tensor(x) else x
-
-
 class LSAdam(torch.optim.Optimizer):
     """Adam with fairseq's formula (``mode="fairseq"``) or torch AdamW's (``mode="torch"``)."""
 
@@ -146,10 +142,7 @@ class LSAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = _to_float(self._grad_factor)
-        scale = _to_float(scale)
-        if scale != 1.0:
-            grad_scale = grad_scale / scale
+        grad_scale, factor = self._step_factor(scale)
         for gi, (group, ws) in enumerate(zip(self.param_groups, self._workspaces)):
             ws.sync()
             self._steps[gi] += 1
@@ -160,10 +153,33 @@ class LSAdam(torch.optim.Optimizer):
                     lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=self._steps[gi], grad_scale=grad_scale,
                     param_lp=buf.param_lp, mode=group["mode"],
+                    grad_scale_tensor=None if factor is None else factor.to(buf.master.device),
                 )
             ws.mark_params_written()
         self._grad_factor = 1.0
         return loss
+
+    def _step_factor(self, scale):
+        """(host float, device tensor or None) whose product multiplies the gradients in the step.
+
+        A factor that is a tensor (a clip coefficient, a loss scale kept on the device) stays on the
+        device and is read by the kernel: no host sync. A non-finite device factor skips the step."""
+        f = self._grad_factor
+        if not torch.is_tensor(f) and not torch.is_tensor(scale):
+            return (f / scale if scale != 1.0 else f), None
+        t = f if torch.is_tensor(f) else None
+        host = 1.0 if t is not None else float(f)
+        if torch.is_tensor(scale):
+            t = (1.0 / scale) if t is None else t / scale
+        elif scale != 1.0:
+            host = host / scale
+        return host, t.detach().reshape(()).float()
+
+    def forget_last_step(self):
+        """Take back the step count of the last :meth:`step` whose update the device skipped (its
+        device factor was not finite): the bias corrections of the next step then use the same
+        count, as if that step had never been taken."""
+        self._steps = [max(0, s - 1) for s in self._steps]
 
     # ----------------------------------------------------------- state dict
     def state_dict(self):

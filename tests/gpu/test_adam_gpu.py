@@ -85,3 +85,42 @@ def test_adam_rejects_bad_buffers():
     with pytest.raises(ValueError, match="elements"):
         adam_(p, torch.randn(9, device="cuda"), torch.zeros(10, device="cuda"), torch.zeros(10, device="cuda"),
               step=1, **HP)
+
+
+@pytest.mark.parametrize("lp_dtype", [None, torch.float16], ids=str)
+def test_device_grad_scale_matches_host_scale(lp_dtype):
+    """grad_scale_tensor (read on the device) gives the same update as the same factor passed as a float."""
+    n = 100_003
+    torch.manual_seed(3)
+    p0 = torch.randn(n, device="cuda")
+    factor = torch.tensor(0.37, device="cuda")
+    states = [(p0.clone(), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"),
+               None if lp_dtype is None else torch.empty(n, device="cuda", dtype=lp_dtype)) for _ in range(3)]
+    for step in range(1, 5):
+        g = torch.randn(n, device="cuda", dtype=torch.float16)
+        host = float(torch.tensor(1 / 512, dtype=torch.float32) * factor.cpu())
+        p, m, v, lp = states[0]
+        adam_(p, g, m, v, step=step, grad_scale=1 / 512, grad_scale_tensor=factor, param_lp=lp, **HP)
+        p, m, v, lp = states[1]
+        adam_(p, g, m, v, step=step, grad_scale=host, param_lp=lp, **HP)
+        p, m, v, lp = states[2]
+        adam_reference_(p, g, m, v, step=step, grad_scale=1 / 512, grad_scale_tensor=factor, param_lp=lp, **HP)
+    for other in states[1:]:
+        for a, b in zip(states[0], other):
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_nonfinite_device_grad_scale_skips_the_step(bad):
+    n = 1031
+    g = torch.randn(n, device="cuda", dtype=torch.float16)
+    p = torch.randn(n, device="cuda")
+    m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    lp = p.half()
+    before = [t.clone() for t in (p, m, v, lp)]
+    adam_(p, g, m, v, step=1, param_lp=lp, grad_scale_tensor=torch.tensor(bad, device="cuda"), **HP)
+    for a, b in zip((p, m, v, lp), before):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="grad_scale_tensor"):
+        adam_(p, g, m, v, step=1, grad_scale_tensor=torch.ones(2, device="cuda"), **HP)
