@@ -102,6 +102,36 @@ def test_ls_adam_keeps_the_master_weights_under_mixed_precision(monkeypatch, pre
     assert not getattr(args, f"memory_efficient_{prec}")
 
 
+def test_distributed_ls_adam_trains_under_legacy_ddp(monkeypatch, caplog):
+    two = ["--optimizer", "ls_adam", "--distributed-world-size", "2"]
+    with caplog.at_level("INFO", logger="ls_fairseq.cli.train"):
+        args = _parse(_ARGS + two, monkeypatch)
+    assert args.ddp_backend == "legacy_ddp"
+    assert sum("--ddp-backend legacy_ddp" in r.getMessage() for r in caplog.records) == 1
+    args = _parse(_ARGS + two + ["--fp16"], monkeypatch)  # ls_adam holds the fp16 model's gradients
+    assert args.ddp_backend == "legacy_ddp" and args.memory_efficient_fp16
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--optimizer", "ls_adam", "--distributed-world-size", "2", "--ddp-backend", "pytorch_ddp"], "pytorch_ddp"),
+    (["--optimizer", "ls_adam", "--distributed-world-size", "2", "--ddp-backend=c10d"], "c10d"),
+    (["--optimizer", "adam", "--distributed-world-size", "2"], "pytorch_ddp"),  # another optimizer
+    (["--optimizer", "ls_adam", "--distributed-world-size", "1"], "pytorch_ddp"),  # one worker
+])
+def test_ddp_backend_is_left_alone(monkeypatch, caplog, extra, expected):
+    with caplog.at_level("INFO", logger="ls_fairseq.cli.train"):
+        args = _parse(_ARGS + extra, monkeypatch)
+    assert args.ddp_backend == expected
+    assert not any("legacy_ddp" in r.getMessage() for r in caplog.records)
+
+
+def test_ddp_backend_is_left_alone_under_fairseqs_fp16_optimizer(monkeypatch):
+    # ls_adam then steps FP16Optimizer's fp32 copy and never sees the model's gradients
+    monkeypatch.setenv("LS_FAIRSEQ_FP16_OPTIMIZER", "1")
+    args = _parse(_ARGS + ["--optimizer", "ls_adam", "--distributed-world-size", "2", "--fp16"], monkeypatch)
+    assert args.ddp_backend == "pytorch_ddp"
+
+
 def test_explicit_tpu_is_kept(monkeypatch):
     args = _parse(_ARGS + ["--bf16", "--tpu"], monkeypatch)
     assert args.bf16 and args.tpu

@@ -9,6 +9,10 @@ Every fairseq-train flag works unchanged. Differences from plain ``fairseq-train
   without two per-step host stalls (pinned batch copies; no per-step read-back of the logged
   statistics): the same updates, a few percent faster. ``LS_FAIRSEQ_PLAIN_TRAINER=1`` keeps
   fairseq's Trainer; the process group of a multi-GPU run is torn down after training;
+* ``--optimizer ls_adam`` in a distributed run (``--distributed-world-size`` > 1, whose default
+  is the number of visible GPUs) without ``--ddp-backend`` on the command line trains under
+  ``--ddp-backend legacy_ddp``: ls_adam then all-reduces its flat gradient buffers itself, in
+  buckets overlapped with the backward pass. A ``--ddp-backend`` you give is kept;
 * ``--bf16`` / ``--memory-efficient-bf16`` train in bfloat16 on the GPU (or the CPU with
   ``--cpu``). In fairseq 0.12 ``--bf16`` also switches on ``--tpu``, which makes the trainer
   ask torch_xla for a device and fail on any machine without one. lightseq-train parses the
@@ -159,7 +163,37 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         logger.info("--optimizer ls_adam with --%s: ls_adam keeps the fp32 master weights itself "
                     "(fairseq's memory-efficient wrapper; set LS_FAIRSEQ_FP16_OPTIMIZER=1 to keep "
                     "fairseq's FP16Optimizer copy)", "bf16" if args.bf16 else "fp16")
+    if ls_adam_reduces_gradients(args, argv):
+        logger.info("--optimizer ls_adam with --distributed-world-size %d: --ddp-backend legacy_ddp, under "
+                    "which ls_adam all-reduces its flat gradient buffers itself, overlapped with the backward "
+                    "pass (give --ddp-backend to choose another backend)", args.distributed_world_size)
     return args
+
+
+def ls_adam_reduces_gradients(args: argparse.Namespace, argv: List[str]) -> bool:
+    """A distributed ls_adam run trains under ``--ddp-backend legacy_ddp`` unless ``--ddp-backend``
+    is given on the command line.
+
+    Distributed as fairseq decides it: ``--distributed-world-size`` > 1 (its default is the number
+    of visible GPUs; a torchrun or Slurm start needs it > 1 too, fairseq reads the actual size
+    from the environment later). Under legacy_ddp ls_adam averages the gradients itself: its
+    flat gradient buffers are all-reduced in buckets while the backward pass runs
+    (ls_fairseq/optim/overlap.py), without the gradient copies of PyTorch's DDP. Not when
+    fairseq's FP16Optimizer holds an fp32 copy of the parameters (LS_FAIRSEQ_FP16_OPTIMIZER=1):
+    ls_adam then never sees the model's gradients, and fairseq's legacy wrapper would reduce
+    them after the backward. Returns True when it switched the backend.
+    """
+    if getattr(args, "optimizer", None) != "ls_adam" or _common.has_flag(argv, "--ddp-backend"):
+        return False
+    if int(getattr(args, "distributed_world_size", 1) or 1) < 2 or getattr(args, "tpu", False):
+        return False
+    if getattr(args, "ddp_backend", None) == "legacy_ddp":
+        return False
+    mixed = getattr(args, "fp16", False) or getattr(args, "bf16", False)
+    if mixed and not (getattr(args, "memory_efficient_fp16", False) or getattr(args, "memory_efficient_bf16", False)):
+        return False
+    args.ddp_backend = "legacy_ddp"
+    return True
 
 
 def ls_adam_owns_master_weights(args: argparse.Namespace) -> bool:

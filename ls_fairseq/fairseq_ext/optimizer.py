@@ -18,6 +18,7 @@ It works under every fairseq precision mode:
 
 import ast
 import logging
+import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, List
@@ -29,6 +30,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 
 from ls_fairseq.fairseq_ext.wrappers import wrapper_chain
 from ls_fairseq.optim.adam import LSAdam, check_hyperparams
+from ls_fairseq.optim.overlap import DEFAULT_BUCKET_MB
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class LSAdamConfig(FairseqDataclass):
     adam_eps: float = field(default=1e-8, metadata={"help": "epsilon for Adam optimizer"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay (decoupled, as fairseq's adam)"})
     lr: List[float] = II("optimization.lr")
+    # fairseq's --bucket-cap-mb: the bucket size of the all-reduce overlapped with the backward
+    bucket_cap_mb: int = II("distributed_training.bucket_cap_mb")
 
 
 def parse_betas(betas):
@@ -95,36 +99,85 @@ class LSFairseqAdam(FairseqOptimizer):
         self._optimizer.step(closure, scale=scale)
 
     def zero_grad(self):
+        if self.__dict__.get("_reducer") is not None:
+            self._reducer.finish()  # a round nobody closed (an error between backward and step)
         self._optimizer.zero_grad()
 
     def all_reduce_grads(self, module):
-        """Under ``--ddp-backend legacy_ddp``: one all-reduce per flat gradient buffer.
+        """Under ``--ddp-backend legacy_ddp``: average the flat gradient buffers over the workers.
 
-        fairseq's legacy wrapper copies every gradient into a staging buffer of its own, reduces it
-        piecewise and copies the results back; the flat workspace already holds all gradients in
-        one buffer, so it is reduced in place (after the backward pass, like the legacy wrapper).
-        Any other wrapper is left to fairseq."""
+        fairseq's legacy wrapper copies every gradient into a staging buffer of its own, reduces
+        it piecewise after the backward and copies the results back; the flat workspace already
+        holds all gradients in one buffer per dtype, so it is reduced in place. The first update
+        reduces after the backward (one all-reduce per buffer) and then installs an
+        :class:`~ls_fairseq.optim.overlap.OverlappedReducer`: from the next update on, buckets of
+        the buffers are all-reduced while the backward runs and this call only waits for them.
+        ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1`` keeps the reduction after the backward. Any other
+        wrapper is left to fairseq."""
         ddp = _legacy_ddp(module)
         if ddp is not None and self._flat_all_reduce_applies(ddp):
             if ddp.accumulate_grads:  # inside no_sync (--update-freq): fairseq's wrapper waits too
                 return
+            reducer = self.__dict__.get("_reducer")
+            if reducer is not None and reducer.finish():
+                return
+            # first update, or no armed backward since the last reduction: reduce now
             from fairseq.distributed import utils as distributed_utils
 
             group = ddp.process_group
             self._optimizer.all_reduce_grads_(ddp.world_size, lambda t: distributed_utils.all_reduce(t, group))
+            if reducer is None and self._overlap_applies(ddp):
+                from ls_fairseq.optim.overlap import OverlappedReducer
+
+                self._reducer = OverlappedReducer(
+                    self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=self._bucket_bytes()
+                )
             return
         super().all_reduce_grads(module)
 
     def _flat_all_reduce_applies(self, ddp) -> bool:
         """Whether ``ddp``'s trainable parameters all live in our flat workspace (on one device,
-        no MoE experts). The parameter sets do not change during training: decided once per wrapper."""
+        no MoE experts). The parameter sets do not change during training: decided once per wrapper
+        (a new wrapper takes the overlap hooks of the previous one off)."""
         seen = self.__dict__.get("_flat_reduce_decision")
         if seen is None or seen[0] is not ddp:
+            self._drop_reducer()
             ours = {id(p) for ws in self._optimizer.workspaces for p in ws.params}
             mine = [p for p in ddp.module.parameters() if p.requires_grad]
             ok = len(ddp.per_device_params) == 1 and all(id(p) in ours and not hasattr(p, "expert") for p in mine)
             seen = self._flat_reduce_decision = (ddp, ok)
+        elif self.__dict__.get("_reducer") is not None and not self._reducer.covers(self._optimizer.workspaces):
+            # a parameter group was added: rebuild the buckets (from the next update on)
+            if self._reducer.in_flight:
+                raise RuntimeError("ls_adam: a parameter group was added during an update whose gradients "
+                                   "were being all-reduced; add parameter groups between updates")
+            self._drop_reducer()
         return seen[1]
+
+    def _overlap_applies(self, ddp) -> bool:
+        """Overlap needs a real process group of two or more workers (not XLA) and post-accumulate-grad
+        hooks (torch >= 2.1); ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1`` turns it off."""
+        import torch
+        from fairseq.distributed import utils as distributed_utils
+
+        if os.environ.get("LS_FAIRSEQ_SYNC_ALL_REDUCE") == "1" or ddp.world_size < 2:
+            return False
+        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+            return False
+        return not distributed_utils.use_xla() and not isinstance(ddp.process_group, tuple)
+
+    def _drop_reducer(self):
+        reducer = self.__dict__.pop("_reducer", None)
+        if reducer is not None:
+            reducer.remove()
+
+    def _bucket_bytes(self) -> int:
+        """fairseq's ``--bucket-cap-mb`` (25 when this optimizer is built outside fairseq's config)."""
+        try:
+            mb = float(getattr(self.cfg, "bucket_cap_mb", DEFAULT_BUCKET_MB))
+        except Exception:  # the unresolved interpolation of a config built outside fairseq's
+            mb = DEFAULT_BUCKET_MB
+        return max(1, int(mb * 2**20))
 
     def average_params(self):
         """All-reduce the moments (BMUF), as fairseq's adam does."""

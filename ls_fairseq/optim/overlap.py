@@ -1,0 +1,288 @@
+"""Data-parallel gradient all-reduce overlapped with the backward pass, over a flat workspace.
+
+Without it the gradients of a :class:`~ls_fairseq.optim.workspace.FlatWorkspace` are averaged
+after the backward pass: one all-reduce per flat gradient buffer that nothing runs beside.
+:class:`OverlappedReducer` starts the reduction while the backward is still running:
+
+* Buckets. Each flat gradient buffer is cut into contiguous ranges of about ``bucket_bytes``
+  at parameter boundaries, formed from the END of the buffer (:func:`plan_buckets`): the
+  backward produces the gradients of the last layers first, so the first bucket to complete
+  is the tail of the buffer. With several buffers (say fp32 and fp16 parameters) each gets
+  buckets of its own; one global order interleaves them by the position of each bucket's
+  first parameter in the optimizer's parameter list (:func:`bucket_order`).
+* Hooks. Every trainable parameter carries a post-accumulate-grad hook. When it fires while
+  the reduction is armed, the gradient divided by the world size is written into the
+  parameter's slice of the flat buffer in one op, ``p.grad`` becomes that slice (the fresh
+  tensor autograd produced is freed right away, and the workspace sync later copies nothing),
+  and a bucket whose parameters are all done is handed to an asynchronous
+  ``all_reduce(SUM)``. Buckets are launched strictly in the global order, so every rank issues
+  the same collectives in the same sequence whatever order its hooks fire in.
+* End of the backward. The first hook of a round queues a callback that runs when the
+  backward pass finishes, before ``backward()`` returns (a reentrant backward nested in it, as
+  reentrant activation checkpointing runs one, is told apart and waited out). It fills the
+  slices of parameters whose hook never fired the way the synchronous path fills them (zero
+  without a gradient, the gradient divided by the world size otherwise) and launches the
+  remaining buckets. All of a round's collectives are thus issued inside the backward pass,
+  as PyTorch's DDP does: a collective issued between the backward and the optimizer
+  (fairseq's Trainer all-reduces its logging statistics there) cannot interleave with them on
+  one rank and not on another, even when a parameter got a gradient on one rank only.
+* :meth:`OverlappedReducer.finish` (after the backward) waits for the round's collectives.
+  On NCCL ``work.wait()`` makes the current CUDA stream wait; the host never blocks.
+
+Armed means: the ``arm`` object's ``accumulate_grads`` is False (fairseq's legacy DDP wrapper
+sets it inside ``no_sync()``, for all but the last micro-batch of ``--update-freq``). An
+unarmed hook returns after two attribute reads. Each parameter's slice is divided by the
+world size and the buckets are summed, so the result equals dividing the whole buffer and
+all-reducing it at once, bit for bit.
+
+A second backward pass into the same gradients within one armed round (before ``finish``),
+armed or inside ``no_sync()``, would accumulate into slices that are already averaged and
+possibly being reduced: the hook raises a RuntimeError instead of producing wrong gradients
+(as PyTorch's DDP does; the same holds for a parameter whose gradient arrives twice in one
+backward, used both inside and outside a reentrant activation checkpoint).
+"""
+
+import logging
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ls_fairseq.optim.workspace import FlatBuffer, FlatWorkspace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_MB = 25
+
+
+class Bucket:
+    """One contiguous range ``[start, end)`` of a flat gradient buffer and the parameters in it."""
+
+    __slots__ = ("buffer", "start", "end", "members", "flat")
+
+    def __init__(self, buffer: FlatBuffer, start: int, end: int, members: List[int]):
+        self.buffer = buffer
+        self.start, self.end = start, end
+        self.members = members  # parameter indices in ``buffer``, last in layout first
+        self.flat = buffer.grad[start:end]
+
+    def __repr__(self):
+        return f"Bucket({self.buffer.dtype}, [{self.start}, {self.end}), params {self.members})"
+
+
+def plan_buckets(buf: FlatBuffer, bucket_bytes: int) -> List[Bucket]:
+    """Cut ``buf``'s flat gradient into contiguous buckets of at least ``bucket_bytes`` (the last
+    one may be smaller), at parameter boundaries, starting from the end of the buffer.
+
+    The buckets tile ``[0, buf.numel)`` exactly once, padding included: bucket 0 ends at
+    ``buf.numel``, each next one ends where the previous one starts, the last starts at 0.
+    """
+    cap = max(1, int(bucket_bytes) // buf.grad.element_size())
+    buckets, members, end = [], [], buf.numel
+    for i in reversed(range(len(buf.params))):
+        members.append(i)
+        start = buf.offsets[i][0]
+        if end - start >= cap or i == 0:
+            buckets.append(Bucket(buf, start, end, members))
+            members, end = [], start
+    return buckets
+
+
+def bucket_order(workspaces: Sequence[FlatWorkspace], bucket_bytes: int) -> List[Bucket]:
+    """All buckets of all buffers in launch order: the bucket whose first parameter comes latest
+    in the optimizer's parameter order goes first (within one buffer: reverse layout order)."""
+    position: Dict[int, int] = {}
+    for ws in workspaces:
+        for p in ws.params:
+            position.setdefault(id(p), len(position))
+    buckets = [bk for ws in workspaces for buf in ws.buffers for bk in plan_buckets(buf, bucket_bytes)]
+    buckets.sort(key=lambda bk: -position[id(bk.buffer.params[bk.members[-1]])])
+    return buckets
+
+
+class _Round:
+    """The state of one armed backward pass, from its first hook to :meth:`OverlappedReducer.finish`."""
+
+    __slots__ = ("done", "pending", "next", "works", "ended", "early", "tasks")
+
+    def __init__(self, n_slots: int, pending: List[int]):
+        self.done = bytearray(n_slots)  # slot -> its slice holds the averaged local gradient
+        self.pending = pending          # bucket -> parameters not done yet
+        self.next = 0                   # the next bucket to launch
+        self.works = []
+        self.ended = False              # the end-of-backward fill ran: every bucket is launched
+        self.early = 0                  # buckets launched from hooks, before the backward ended
+        self.tasks = set()              # autograd graph tasks that will call back when they end
+
+
+# the running autograd graph task, and the node being evaluated (None outside any backward, also in
+# the end-of-backward callback of an outermost backward; in a reentrant backward's it is the outer node)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+class OverlappedReducer:
+    """Average the gradients of ``workspaces`` over ``process_group`` during the backward pass.
+
+    ``arm`` is any object with a boolean ``accumulate_grads`` (fairseq's legacy DDP wrapper):
+    hooks act only while it is False. Install once; :meth:`finish` after each armed backward;
+    :meth:`remove` takes the hooks off again.
+    """
+
+    def __init__(self, workspaces: Sequence[FlatWorkspace], world_size: int, process_group, arm,
+                 bucket_bytes: int = DEFAULT_BUCKET_MB << 20):
+        if world_size < 2:
+            raise ValueError("overlapped all-reduce: needs a world size of at least 2")
+        self.workspaces = list(workspaces)
+        self.buffers = [buf for ws in self.workspaces for buf in ws.buffers]
+        self.world_size = world_size
+        self.process_group = process_group
+        self.arm = arm
+        self.bucket_bytes = bucket_bytes
+        self.buckets = bucket_order(self.workspaces, bucket_bytes)
+        # one slot per (buffer, parameter), numbered bucket by bucket
+        self._slots: List[Tuple[FlatBuffer, int, int]] = []  # slot -> (buffer, index, bucket)
+        self._sizes = []
+        for n, bk in enumerate(self.buckets):
+            for i in bk.members:
+                self._slots.append((bk.buffer, i, n))
+            self._sizes.append(len(bk.members))
+        self._round = None
+        self._told_missed = False
+        self._handles = []
+        for s, (buf, i, n) in enumerate(self._slots):
+            p = buf.params[i]
+            if p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(s)))
+        logger.info(
+            "ls_adam: gradient all-reduce overlapped with the backward pass (%d buckets of ~%.1f MB)",
+            len(self.buckets), bucket_bytes / 2**20,
+        )
+
+    def covers(self, workspaces: Sequence[FlatWorkspace]) -> bool:
+        """Whether this reducer was built for exactly these workspaces' buffers."""
+        return [buf for ws in workspaces for buf in ws.buffers] == self.buffers
+
+    def remove(self):
+        """Take the hooks off (after waiting for a round in flight)."""
+        self.finish()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ hooks
+    def _hook(self, slot: int):
+        arm = self.arm
+
+        def hook(p):
+            if self._round is None and arm.accumulate_grads:
+                return  # not armed: the gradient accumulates locally, as without the reducer
+            self._ready(slot, p)
+
+        return hook
+
+    def _ready(self, slot: int, p: torch.Tensor):
+        r = self._round
+        if r is None:
+            r = self._round = _Round(len(self._slots), list(self._sizes))
+        elif r.ended or r.done[slot] or self.arm.accumulate_grads:
+            raise RuntimeError(
+                "ls_adam overlapped all-reduce: a parameter's gradient was written again after it had been "
+                "averaged for the all-reduce: a second backward pass before optimizer.all_reduce_grads(model) "
+                "(run every backward but the last of an update inside model.no_sync(), as fairseq's Trainer "
+                "does for --update-freq), or a parameter used both inside and outside a reentrant activation "
+                "checkpoint. LS_FAIRSEQ_SYNC_ALL_REDUCE=1 all-reduces after the backward instead."
+            )
+        task = _graph_task_id()
+        if task not in r.tasks:  # a reentrant backward (activation checkpointing) is a task of its own
+            r.tasks.add(task)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(r))
+            except RuntimeError:  # not inside an autograd backward: finish() does the rest
+                pass
+        buf, i, n = self._slots[slot]
+        view = buf.grad_view(i)
+        g = p.grad
+        if g.is_sparse:
+            g = g.to_dense()
+        torch.div(g, self.world_size, out=view)
+        p.grad = view
+        r.done[slot] = 1
+        r.pending[n] -= 1
+        if n == r.next and r.pending[n] == 0:
+            r.early += self._launch_ready(r)
+
+    def _launch_ready(self, r: _Round) -> int:
+        launched = 0
+        buckets, pending = self.buckets, r.pending
+        while r.next < len(buckets) and pending[r.next] == 0:
+            r.works.append(dist.all_reduce(buckets[r.next].flat, group=self.process_group, async_op=True))
+            r.next += 1
+            launched += 1
+        return launched
+
+    def _end_of_backward(self, r: _Round):
+        if self._round is not r or r.ended or _autograd_node() is not None:
+            return  # a reentrant backward ended inside the outer one, which goes on
+        self._fill_rest(r)
+
+    @torch.no_grad()
+    def _fill_rest(self, r: _Round):
+        """Fill the slices of parameters whose hook did not fire (as the synchronous path would:
+        zero without a gradient, the gradient divided by the world size otherwise) and launch
+        every bucket not launched yet."""
+        zero = []
+        s = missed = 0
+        for n, size in enumerate(self._sizes):
+            if n >= r.next:  # a launched bucket has no such parameter
+                for slot in range(s, s + size):
+                    if r.done[slot]:
+                        continue
+                    buf, i, _ = self._slots[slot]
+                    p, view = buf.params[i], buf.grad_view(i)
+                    g = p.grad
+                    missed += p.requires_grad
+                    if g is None:
+                        zero.append(view)
+                    else:
+                        torch.div(g.to_dense() if g.is_sparse else g, self.world_size, out=view)
+                    p.grad = view
+                    r.done[slot] = 1
+                r.pending[n] = 0
+            s += size
+        if zero:
+            torch._foreach_zero_(zero)
+        self._launch_ready(r)
+        r.ended = True
+        if missed and not self._told_missed:
+            self._told_missed = True
+            logger.info(
+                "ls_adam: %d trainable parameter(s) got no gradient in a backward pass; the bucket holding "
+                "the first of them and all buckets after it were all-reduced after the backward (said once)",
+                missed,
+            )
+
+    # ----------------------------------------------------------------- finish
+    @property
+    def in_flight(self) -> bool:
+        """Whether an armed backward has started a round that :meth:`finish` has not closed."""
+        return self._round is not None
+
+    def finish(self) -> bool:
+        """Close the current round: complete it if the backward's end did not (every bucket gets
+        launched) and wait for its collectives. Returns False when no armed backward ran since
+        the last call (nothing was reduced: the caller reduces synchronously)."""
+        r = self._round
+        if r is None:
+            return False
+        try:
+            if not r.ended:
+                self._fill_rest(r)
+            for w in r.works:
+                w.wait()
+        finally:
+            self._round = None
+        return True
+
+
+__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "bucket_order", "plan_buckets"]

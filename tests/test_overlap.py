@@ -1,0 +1,224 @@
+"""ls_adam's gradient all-reduce overlapped with the backward pass (ls_fairseq.optim.overlap): the bucket
+plan, and two gloo processes on the CPU that train one replica with the overlapped reduction and one with
+the synchronous reduction after the backward, which must agree bit for bit."""
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ls_fairseq.optim.overlap import bucket_order, plan_buckets
+from ls_fairseq.optim.workspace import FlatWorkspace
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- the bucket plan
+@pytest.mark.parametrize("bucket_bytes", [1, 200, 1000, 1 << 20])
+def test_buckets_tile_the_buffer_once_last_parameters_first(bucket_bytes):
+    shapes = [(7, 3), (5,), (64,), (1,), (3, 11), (0,), (2, 2), (40,)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    (buf,) = FlatWorkspace(params).buffers
+    buckets = plan_buckets(buf, bucket_bytes)
+    # contiguous ranges that tile [0, numel) exactly once, from the end of the buffer
+    assert buckets[0].end == buf.numel and buckets[-1].start == 0
+    for a, b in zip(buckets, buckets[1:]):
+        assert b.end == a.start and a.start < a.end
+    covered = torch.zeros(buf.numel, dtype=torch.int32)
+    for bk in buckets:
+        covered[bk.start:bk.end] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
+    # every parameter once, in reverse layout order, inside its bucket's range
+    members = [i for bk in buckets for i in bk.members]
+    assert members == list(reversed(range(len(params))))
+    for bk in buckets:
+        for i in bk.members:
+            o, k = buf.offsets[i]
+            assert bk.start <= o and o + k <= bk.end
+        assert bk.flat.data_ptr() == buf.grad[bk.start:].data_ptr() and bk.flat.numel() == bk.end - bk.start
+    # each bucket reaches the cap, but the last one (which holds the first parameter)
+    for bk in buckets[:-1]:
+        assert (bk.end - bk.start) * 4 >= bucket_bytes
+    if bucket_bytes == 1:  # one parameter per bucket; the empty one shares its neighbour's
+        assert len(buckets) == len(params) - 1
+    if bucket_bytes == 1 << 20:
+        assert len(buckets) == 1
+
+
+def test_buckets_of_two_dtypes_interleave_by_parameter_position():
+    shapes = [(64,), (64,), (64,), (64,), (64,), (64,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    params = [torch.nn.Parameter(torch.randn(s, dtype=d)) for s, d in zip(shapes, dtypes)]
+    ws = FlatWorkspace(params)
+    assert len(ws.buffers) == 2
+    order = bucket_order([ws], 1)  # one parameter per bucket
+    firsts = [bk.buffer.params[bk.members[-1]] for bk in order]
+    assert [id(p) for p in firsts] == [id(p) for p in reversed(params)]
+    for buf in ws.buffers:  # within a buffer: reverse layout order
+        mine = [bk for bk in order if bk.buffer is buf]
+        assert [bk.start for bk in mine] == sorted((bk.start for bk in mine), reverse=True)
+
+
+def test_one_process_installs_no_hooks():
+    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    opt = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(model.parameters()))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 5)).sum().backward()
+        opt.all_reduce_grads(model)
+        opt.step()
+    assert "_reducer" not in opt.__dict__
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- two processes
+class _Net(torch.nn.Module):
+    """fp32 and bf16 layers; ``extra`` (between them in the parameter layout) gets a gradient only
+    where the caller uses it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(6, 16)
+        self.b = torch.nn.Linear(16, 16).to(torch.bfloat16)
+        self.extra = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 4)
+
+    def forward(self, x, use_extra, reentrant_checkpoint=False):
+        h = torch.tanh(self.a(x))
+        if reentrant_checkpoint:  # b and extra get their gradients in a backward nested in the outer one
+            h = torch.utils.checkpoint.checkpoint(self._middle, h, use_extra, use_reentrant=True)
+        else:
+            h = self._middle(h, use_extra)
+        return self.c(h)
+
+    def _middle(self, h, use_extra):
+        h = torch.tanh(self.b(h.to(torch.bfloat16))).float()
+        return torch.tanh(self.extra(h)) if use_extra else h
+
+
+def _loss(model, rank, update, micro, use_extra):
+    g = torch.Generator().manual_seed(1000 * update + 10 * micro + rank)
+    x = torch.randn(5, 6, generator=g)
+    return model(x, use_extra, reentrant_checkpoint=update in (2, 3)).pow(2).sum() * (rank + 1)
+
+
+def _worker(rank, port, out_dir):
+    import ls_fairseq.fairseq_ext  # noqa: F401
+    from fairseq.distributed import ModuleProxyWrapper
+    from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
+
+    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    out = {"mismatch": [], "rounds": []}
+    try:
+        cfg = LSAdamConfig(lr=[0.01], adam_betas="(0.9, 0.98)", bucket_cap_mb=256 / 2**20)  # 256-byte buckets
+        net, ref = _Net(), _Net()
+        ddp = LegacyDistributedDataParallel(net, process_group=dist.group.WORLD)
+        wrapped = ModuleProxyWrapper(ddp)
+        opt = LSFairseqAdam(cfg, list(net.parameters()))
+        ref_opt = LSFairseqAdam(cfg, list(ref.parameters()))
+        names = [n for n, _ in net.named_parameters()]
+        # update-freq 1 and 2; `extra` is used on rank 0 only, and in update 4 on neither; updates 2
+        # and 3 run the middle layers under a reentrant activation checkpoint
+        for update, freq in enumerate([1, 2, 1, 2, 1, 1]):
+            use_extra = rank == 0 and update != 4
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(freq):
+                last = micro == freq - 1
+                if last:
+                    _loss(wrapped, rank, update, micro, use_extra).backward()
+                else:
+                    with wrapped.no_sync():
+                        _loss(wrapped, rank, update, micro, use_extra).backward()
+                        opt.all_reduce_grads(wrapped)  # waits, as fairseq's wrapper does
+                _loss(ref, rank, update, micro, use_extra).backward()
+                reducer = opt.__dict__.get("_reducer")
+                if not last:
+                    assert reducer is None or not reducer.in_flight, "a no_sync backward started a round"
+            r = reducer._round if reducer is not None else None
+            out["rounds"].append(None if r is None else (r.ended, r.early, r.next, len(reducer.buckets)))
+            # fairseq's Trainer all-reduces its logging statistics between the backward and all_reduce_grads
+            stats = torch.tensor([float(rank + update)])
+            dist.all_reduce(stats)
+            assert stats.item() == 1 + 2 * update
+            opt.all_reduce_grads(wrapped)
+            ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)  # the synchronous path
+            for n, p, q in zip(names, net.parameters(), ref.parameters()):
+                if not torch.equal(p.grad, q.grad):
+                    out["mismatch"].append(f"update {update} grad {n}")
+            opt.step()
+            ref_opt.step()
+            for n, p, q in zip(names, net.parameters(), ref.parameters()):
+                if not torch.equal(p, q):
+                    out["mismatch"].append(f"update {update} param {n}")
+        out["params"] = [p.detach().clone() for p in net.parameters()]
+        reducer = opt._reducer
+        out["dtypes"] = sorted({str(bk.buffer.dtype) for bk in reducer.buckets})
+        out["grads_are_views"] = all(
+            p.grad.untyped_storage().data_ptr() == buf.grad.untyped_storage().data_ptr()
+            for ws in opt._optimizer.workspaces for buf in ws.buffers for p in buf.params
+        )
+
+        # a second backward into gradients that are being reduced is an error, not a wrong gradient
+        errors = []
+        for second_in_no_sync in (False, True):
+            opt.zero_grad()
+            _loss(wrapped, rank, 99, 0, True).backward()
+            try:
+                if second_in_no_sync:
+                    with wrapped.no_sync():
+                        _loss(wrapped, rank, 99, 1, True).backward()
+                else:
+                    _loss(wrapped, rank, 99, 1, True).backward()
+            except RuntimeError as e:
+                errors.append(str(e))
+            ddp.accumulate_grads = False  # fairseq's no_sync() does not restore it when its body raises
+            opt.zero_grad()  # closes the round
+            assert not reducer.in_flight
+        out["errors"] = errors
+        # ... and the reducer keeps working afterwards
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _loss(wrapped, rank, 7, 0, True).backward()
+        _loss(ref, rank, 7, 0, True).backward()
+        opt.all_reduce_grads(wrapped)
+        ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)
+        out["after_error_equal"] = all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for rank in (0, 1):
+        out = got[rank]
+        assert out["mismatch"] == [], out["mismatch"]
+        rounds = out["rounds"]
+        assert rounds[0] is None  # the first update reduces after the backward, then installs the hooks
+        for update, (ended, early, launched, n_buckets) in enumerate(rounds[1:], 1):
+            # every bucket was launched before the backward returned; from the hooks: all of them
+            # where every parameter got a gradient, else those before the first that got none
+            assert ended and launched == n_buckets and n_buckets >= 8
+            assert early == (n_buckets if rank == 0 and update != 4 else 2)
+        assert out["dtypes"] == ["torch.bfloat16", "torch.float32"]
+        assert out["grads_are_views"]
+        assert len(out["errors"]) == 2 and all("written again" in e for e in out["errors"])
+        assert out["after_error_equal"]
+    for a, b in zip(got[0]["params"], got[1]["params"]):
+        assert torch.equal(a, b)  # the replicas stay identical
