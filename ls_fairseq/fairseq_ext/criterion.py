@@ -53,6 +53,7 @@ def _check_model(model):
 # A sample may carry the result of counted_rows(sample["target"]) under this key, computed on the
 # host before the batch is copied to the GPU (LSTrainer does): the forward then needs no device sync.
 COUNTED_ROWS_KEY = "ls_counted_rows"
+ROW_ALIGN = 8  # counted rows are padded to this multiple (see counted_rows)
 
 
 def takes_logit_rows(model) -> bool:
@@ -97,16 +98,28 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             "sample_size": sample_size,
         }
         if self.report_accuracy:
-            logging_output["n_correct"] = utils.item(logits.argmax(1).eq(target).sum().data)
-            logging_output["total"] = rows.numel()
+            counted = target.ne(self.padding_idx)  # without the alignment rows (see counted_rows)
+            logging_output["n_correct"] = utils.item((logits.argmax(1).eq(target) & counted).sum().data)
+            logging_output["total"] = utils.item(counted.sum().data)
         return loss, sample_size, logging_output
 
     def counted_rows(self, target):
-        """Indices into the flattened target of the positions the loss counts (int64 [N])."""
+        """Indices into the flattened target of the positions the loss counts (int64 [N]).
+
+        The count is rounded up to a multiple of ROW_ALIGN with padding positions when the batch
+        has enough of them: their target is the padding index, so the loss ignores them (zero loss,
+        zero gradient), and the vocabulary GEMMs get a row count that tensor-core kernels prefer."""
+        flat = target.reshape(-1)
         keep = target.ne(self.padding_idx)
         if self.ignore_prefix_size > 0:
             keep[:, : self.ignore_prefix_size] = False
-        return keep.reshape(-1).nonzero().squeeze(1)
+        rows = keep.reshape(-1).nonzero().squeeze(1)
+        short = (-rows.numel()) % ROW_ALIGN
+        if short:
+            fill = flat.eq(self.padding_idx).nonzero().squeeze(1)[:short]
+            if fill.numel() == short:
+                rows = torch.cat([rows, fill])
+        return rows
 
     def get_logits_and_target(self, model, net_output, sample):
         """Raw logits [N, V] and targets [N], after --ignore-prefix-size."""

@@ -205,6 +205,15 @@ class _PendingStep:
         return self.host.tolist()
 
 
+def _on_device(x, dtype, device):
+    """``x`` (a Python number or a tensor) as a 0-dim tensor on ``device``. A Python number is
+    written by a fill kernel: ``torch.as_tensor(number, device=cuda)`` would copy it from pageable
+    host memory, which waits for the GPU."""
+    if torch.is_tensor(x):
+        return x.to(device=device, dtype=dtype).reshape(())
+    return torch.full((), x, dtype=dtype, device=device)
+
+
 def _inconsistent(norms) -> bool:
     """fairseq's cross-rank gradient-norm test (Trainer._check_grad_norms), on host numbers."""
     if not all(math.isfinite(n) for n in norms):
@@ -342,13 +351,13 @@ class LSTrainer(Trainer):
             if scale is not None:
                 # fairseq's fp16 wrapper keeps its factor in double precision (a Python float), and
                 # clips by clip / norm above the threshold; the same arithmetic here, on the device
-                factor = torch.as_tensor(factor, dtype=torch.float64, device=raw.device) / scale
+                factor = _on_device(factor, torch.float64, raw.device) / scale
                 grad_norm = raw * factor.float()
                 if clip > 0:
                     gn = grad_norm.double()
                     factor = factor * torch.where(gn > clip, clip / gn, torch.ones_like(gn))
             else:  # bf16 wrapper and bare ls_adam: fp32 factor, torch's clip_grad_norm_ coefficient
-                factor = torch.as_tensor(factor, dtype=torch.float32, device=raw.device)
+                factor = _on_device(factor, torch.float32, raw.device)
                 grad_norm = raw * factor
                 if clip > 0:
                     factor = factor * (clip / (grad_norm + 1e-6)).clamp(max=1)
