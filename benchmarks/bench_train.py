@@ -105,8 +105,8 @@ def run(kind, arch, max_tokens, precision, data, epochs, out):
 
 def summarize(res, flops_epoch, peak_tflops):
     ep = res["epochs"]
-    if not ep:
-        return None
+    if not ep or any(w <= 0 for _, _, w in ep):
+        return None  # nothing counted: no speed to report
     wps1 = ep[0][2] / ep[0][1]
     steady = [w / s for e, s, w in ep[1:]]
     wps_s = float(np.mean(steady)) if steady else float("nan")

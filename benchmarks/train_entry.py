@@ -51,20 +51,35 @@ def main():
         torch.cuda.reset_peak_memory_stats = lambda *a, **k: None  # the peak of the whole run (see above)
     from fairseq import trainer as fs_trainer
 
-    step = fs_trainer.Trainer.train_step
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer
 
-    def counting_step(self, samples, *a, **kw):
-        self._bench_words = getattr(self, "_bench_words", 0) + sum(
-            int(s["ntokens"]) for s in samples if s and "ntokens" in s)
-        return step(self, samples, *a, **kw)
-
-    fs_trainer.Trainer.train_step = counting_step
+    for cls in (fs_trainer.Trainer, LSTrainer):  # LSTrainer's own step does not go through fairseq's
+        _count_words(cls)
     sys.argv = [sys.argv[0]] + argv
     try:
         runner()
     finally:
         if torch.cuda.is_available():
             print(f"BENCH peak_mem_gb={torch.cuda.max_memory_allocated() / 2**30:.3f}", flush=True)
+
+
+def _count_words(cls):
+    """Make cls.train_step add the target words of its samples to trainer._bench_words (once per
+    step, also when one counted train_step calls another)."""
+    step = cls.__dict__["train_step"]
+
+    def counting_step(self, samples, *a, **kw):
+        if self.__dict__.get("_bench_in_step"):
+            return step(self, samples, *a, **kw)
+        self._bench_words = getattr(self, "_bench_words", 0) + sum(
+            int(s["ntokens"]) for s in samples if s and "ntokens" in s)
+        self._bench_in_step = True
+        try:
+            return step(self, samples, *a, **kw)
+        finally:
+            self._bench_in_step = False
+
+    cls.train_step = counting_step
 
 
 def _words(trainer):
