@@ -190,6 +190,7 @@ class _PendingStep:
         self.sample_size = sample_size
         self.clip_norm = clip_norm
         self.output = None  # the DeferredLoggingOutput handed to fairseq's loop
+        self.events = None  # _StepTimer's CUDA events, when timing
         self.event = None
         if status.device.type == "cuda":
             self.host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
@@ -220,6 +221,44 @@ def _inconsistent(norms) -> bool:
         return True
     ref = norms[0]
     return max(abs(n - ref) for n in norms) / (ref + 1e-6) >= 1e-6
+
+
+class _StepTimer:
+    """``LS_FAIRSEQ_STEP_TIMING=1`` (CUDA, deferred step): GPU milliseconds of every micro-batch's
+    forward + backward and of every whole update, from CUDA events read when the update is settled
+    (no extra waits); a summary line is logged at exit. For benchmarks: it shows how far the
+    per-batch times of data-parallel ranks differ (the slowest rank sets the pace)."""
+
+    def __init__(self):
+        self.open, self.micro, self.updates = [], [], []
+        import atexit
+
+        atexit.register(self.report)
+
+    def mark(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def settle(self, events):
+        marks = [e.elapsed_time(f) for e, f in zip(events[:-2:2], events[1:-1:2])]
+        self.micro.append(marks)
+        self.updates.append(events[0].elapsed_time(events[-1]))
+
+    def report(self):
+        if not self.updates:
+            return
+        import statistics
+
+        flat = [m for ms in self.micro for m in ms]
+        pairs = [max(ms) for ms in self.micro if len(ms) == 2]
+        means = [sum(ms) / len(ms) for ms in self.micro if len(ms) == 2]
+        line = (f"step timing: {len(self.updates)} updates, update {statistics.mean(self.updates):.2f} ms, "
+                f"micro-batch fwd+bwd {statistics.mean(flat):.2f} ms (stdev {statistics.pstdev(flat):.2f})")
+        if pairs:
+            line += (f", pairs of micro-batches: mean {statistics.mean(means):.2f} ms, slower of the two "
+                     f"{statistics.mean(pairs):.2f} ms")
+        logger.info(line)
 
 
 class LSTrainer(Trainer):
@@ -286,18 +325,24 @@ class LSTrainer(Trainer):
         task_opt = _ScaledLossOptimizer(opt, scale)
         world = self.data_parallel_world_size
 
+        timer = self._step_timer()
+        events = []
         logging_outputs, sample_size, ooms = [], 0, 0
         is_dummy_batch = False
         for i, sample in enumerate(samples):  # delayed update loop
             sample, is_dummy_batch = self._prepare_sample(sample)
             no_sync = world > 1 and hasattr(self.model, "no_sync") and i < len(samples) - 1
             try:
+                if timer is not None:
+                    events.append(timer.mark())
                 with self.model.no_sync() if no_sync else contextlib.nullcontext():
                     loss, sample_size_i, logging_output = self.task.train_step(
                         sample=sample, model=self.model, criterion=self.criterion, optimizer=task_opt,
                         update_num=self.get_num_updates(), ignore_grad=is_dummy_batch,
                     )
                     del loss
+                if timer is not None:
+                    events.append(timer.mark())
                 logging_outputs.append(logging_output)
                 sample_size += sample_size_i
                 if self.cuda and self.get_num_updates() == 0:
@@ -378,7 +423,10 @@ class LSTrainer(Trainer):
                 ok_scale, bad_scale = scale_candidates(scaler)
                 scale.copy_(torch.where(finite, torch.full_like(scale, ok_scale), torch.full_like(scale, bad_scale)))
 
+        if timer is not None:
+            events.append(timer.mark())
         pending = _PendingStep(torch.cat(status), logging_outputs, sample_size, clip)
+        pending.events = events if timer is not None and len(events) == 2 * len(samples) + 1 else None
         self._ls_pending = pending
         num_updates = self.get_num_updates() + 1
         self.set_num_updates(num_updates)  # provisional until settled
@@ -398,6 +446,12 @@ class LSTrainer(Trainer):
             self._ls_resolve()
         metrics.log_stop_time("train_wall")
         return out
+
+    def _step_timer(self):
+        if "_ls_timer" not in self.__dict__:
+            on = self.cuda and os.environ.get("LS_FAIRSEQ_STEP_TIMING") == "1"
+            self._ls_timer = _StepTimer() if on else None
+        return self._ls_timer
 
     def _device_loss_scale(self, scaler):
         """The fp16 loss scale as a one-element fp32 tensor on the device (None without a scaler).
@@ -438,6 +492,9 @@ class LSTrainer(Trainer):
             return
         self._ls_pending = None
         values = pending.values()
+        if pending.events is not None:
+            pending.events[-1].synchronize()  # recorded after the Adam step that the read above waited for
+            self._ls_timer.settle(pending.events)
         grad_norm, norms = values[0], values[1:]
         opt = self.optimizer
         wrapper = opt if isinstance(opt, MemoryEfficientFP16Optimizer) else None
