@@ -384,3 +384,41 @@ def test_bad_input_errors_name_the_problem(i):
     fn, msg = _bad_calls()[i]
     with pytest.raises(ValueError, match=msg):
         fn()
+
+
+def test_attention_backend_choice_equals_sdpa_kernel_and_restores():
+    """The attention op's reusable backend context sets the same SDPA flags and priority order as
+    torch's sdpa_kernel, nests, and restores what was set before."""
+    import importlib
+
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
+
+    A = importlib.import_module("ls_fairseq.ops.attention")
+    if A._FAST_BACKENDS is None:
+        pytest.skip("this torch lacks the SDPA flag functions; the public context manager is used")
+
+    def state():
+        return _cur_sdpa_kernel_backends(with_priority=True), list(torch._C._get_sdp_priority_order())
+
+    def torch_ctx(short):
+        return sdpa_kernel(A._SDPA_SHORT if short else A._SDPA_BACKENDS, set_priority=short)
+
+    base = list(torch._C._get_sdp_priority_order())
+    before = state()
+    for short in (False, True):
+        with sdpa_kernel(SDPBackend.MATH):
+            torch._C._set_sdp_priority_order(base)  # (torch's own context does not restore the order)
+            with torch_ctx(short):
+                want = state()
+                with torch_ctx(not short):
+                    want_nested = state()
+            torch._C._set_sdp_priority_order(base)
+            outer = state()
+            with A._backends(short):
+                assert state() == want
+                with A._backends(not short):
+                    assert state() == want_nested
+                assert state() == want
+            assert state() == outer  # ours restores exactly
+    torch._C._set_sdp_priority_order(base)
+    assert state() == before

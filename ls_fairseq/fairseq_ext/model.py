@@ -54,6 +54,24 @@ class LSTransformerModel(native.TransformerModel):
                             alignment_layer=alignment_layer, alignment_heads=alignment_heads,
                             src_lengths=src_lengths, return_all_hiddens=return_all_hiddens, logit_rows=logit_rows)
 
+    def set_num_updates(self, num_updates):
+        """Pass the update count to the submodules that use it.
+
+        fairseq's default walks every submodule on every update (and the encoder walks its own
+        again) to find them; no ls_transformer module uses the count, so the walk is made once and
+        only modules whose class has its own ``set_num_updates`` (not fairseq's walking default)
+        are called. The module tree of a built model does not change while it trains."""
+        targets = self.__dict__.get("_ls_num_update_targets")
+        if targets is None:
+            from fairseq.models import BaseFairseqModel, FairseqEncoder
+
+            walkers = (None, BaseFairseqModel.set_num_updates, FairseqEncoder.set_num_updates)
+            targets = [m for m in self.modules()
+                       if m is not self and getattr(type(m), "set_num_updates", None) not in walkers]
+            self._ls_num_update_targets = targets
+        for m in targets:
+            m.set_num_updates(num_updates)
+
     @classmethod
     def build_encoder(cls, cfg, src_dict, embed_tokens):
         return LSTransformerEncoder(TransformerConfig.from_namespace(cfg), src_dict, embed_tokens)

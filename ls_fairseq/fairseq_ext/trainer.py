@@ -58,6 +58,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
+from types import SimpleNamespace
 
 import torch
 from fairseq import metrics, utils
@@ -322,6 +323,7 @@ class LSTrainer(Trainer):
         ls_adam = wrapper.wrapped_optimizer if wrapper is not None else opt
         scaler = wrapper.scaler if wrapper is not None else None
         scale = self._device_loss_scale(scaler)
+        knobs = self._knobs()
         task_opt = _ScaledLossOptimizer(opt, scale)
         world = self.data_parallel_world_size
 
@@ -370,7 +372,8 @@ class LSTrainer(Trainer):
             sample_size = sample_size.zero_() if torch.is_tensor(sample_size) else sample_size * 0.0
         sample_size = sample_size.float() if torch.is_tensor(sample_size) else float(sample_size)
 
-        if self._sync_stats():
+        sync_stats = self._sync_stats()
+        if sync_stats:
             train_time = self._local_cumulative_training_time()
             logging_outputs, (sample_size, ooms, total_train_time) = self._sum_stats_on_device(
                 logging_outputs, sample_size, ooms, train_time, ignore=is_dummy_batch)
@@ -386,13 +389,13 @@ class LSTrainer(Trainer):
         self._ls_resolve()
 
         with torch.autograd.profiler.record_function("clip-grads"):
-            numer = world if self._sync_stats() else 1
+            numer = world if sync_stats else 1
             if torch.is_tensor(sample_size):
                 factor = numer / torch.where(sample_size == 0, torch.ones_like(sample_size), sample_size)
             else:
                 factor = numer / (sample_size or 1.0)
             raw = ls_adam._optimizer.grad_norm()  # norm of the gradients as they are (loss-scaled)
-            clip = float(self.cfg.optimization.clip_norm)
+            clip = knobs.clip
             if scale is not None:
                 # fairseq's fp16 wrapper keeps its factor in double precision (a Python float), and
                 # clips by clip / norm above the threshold; the same arithmetic here, on the device
@@ -432,11 +435,12 @@ class LSTrainer(Trainer):
         self.set_num_updates(num_updates)  # provisional until settled
 
         if self.cuda and self.cuda_env is not None:
-            gb_used = torch.cuda.max_memory_allocated() / 1024 / 1024 / 1024
+            # torch.cuda.max_memory_allocated() without flattening all allocator statistics
+            peak = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["peak"]
             torch.cuda.reset_peak_memory_stats()
-            metrics.log_scalar("gb_free", self.cuda_env.total_memory_in_GB - gb_used, priority=1500, round=1,
-                               weight=0)
-        freq = self.cfg.common.empty_cache_freq
+            metrics.log_scalar("gb_free", self.cuda_env.total_memory_in_GB - peak / 1024 ** 3, priority=1500,
+                               round=1, weight=0)
+        freq = knobs.empty_cache_freq
         if self.cuda and freq > 0 and (num_updates + freq - 1) % freq == 0:
             torch.cuda.empty_cache()
 
@@ -466,17 +470,30 @@ class LSTrainer(Trainer):
             t.fill_(float(scaler.loss_scale))
         return t
 
+    def _knobs(self):
+        """The configuration values the deferred step reads every update, read once (attribute
+        access on fairseq's omegaconf config costs microseconds each)."""
+        knobs = self.__dict__.get("_ls_knobs")
+        if knobs is None:
+            cfg = self.cfg
+            knobs = self._ls_knobs = SimpleNamespace(
+                clip=float(cfg.optimization.clip_norm),
+                empty_cache_freq=int(cfg.common.empty_cache_freq),
+                log_interval=max(1, int(cfg.common.log_interval)),
+                every=[int(e) for e in (cfg.checkpoint.save_interval_updates, cfg.dataset.validate_interval_updates)
+                       if e and e > 0],
+                max_update=int(cfg.optimization.max_update or 0),
+                timed_stop=cfg.optimization.stop_time_hours > 0,
+            )
+        return knobs
+
     def _count_is_read_after(self, num_updates) -> bool:
         """Whether fairseq's loop acts on the update count after this update (log, save, validate,
         stop, end of epoch): then the update is settled now."""
-        cfg = self.cfg
-        if num_updates % max(1, cfg.common.log_interval) == 0:
+        knobs = self._knobs()
+        if num_updates % knobs.log_interval == 0 or any(num_updates % e == 0 for e in knobs.every):
             return True
-        for every in (cfg.checkpoint.save_interval_updates, cfg.dataset.validate_interval_updates):
-            if every and every > 0 and num_updates % every == 0:
-                return True
-        max_update = cfg.optimization.max_update
-        if (max_update and num_updates >= max_update) or cfg.optimization.stop_time_hours > 0:
+        if (knobs.max_update and num_updates >= knobs.max_update) or knobs.timed_stop:
             return True
         itr = self.__dict__.get("_ls_epoch_itr")
         try:

@@ -11,6 +11,11 @@ step-with-scale protocol). :meth:`LSAdam.grad_norm` reports the norm of the *sca
 gradients, so callers see what an eager multiply would have given. ``zero_grad`` and
 ``step`` reset the factor to 1.
 
+Views. Before reading gradients the workspace repairs any broken parameter/gradient view
+(:meth:`FlatWorkspace.sync`, a Python pass over all parameters). ``step`` skips that pass when
+:meth:`grad_norm` made it since the last ``zero_grad`` / ``step`` (fairseq clips, then steps):
+gradients or parameters replaced between the two are not seen by that step.
+
 Every parameter is updated at every step (a parameter that received no gradient sees a
 zero gradient, as under fairseq's flat ``--fp16`` optimizer); the step count is per group.
 
@@ -95,6 +100,7 @@ class LSAdam(torch.optim.Optimizer):
         for ws in self._workspaces:
             ws.sync()
             norms.extend(flat_grad_norm(buf.grad) for buf in ws.buffers)
+        self._synced = True  # the next step() reads the buffers as this norm saw them
         if len(norms) == 1:
             total = norms[0]
         else:
@@ -133,6 +139,7 @@ class LSAdam(torch.optim.Optimizer):
         for ws in self._workspaces:
             ws.zero_grad()
         self._grad_factor = 1.0
+        self._synced = False
 
     # ----------------------------------------------------------------- step
     @torch.no_grad()
@@ -143,8 +150,10 @@ class LSAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, factor = self._step_factor(scale)
+        synced, self._synced = self.__dict__.get("_synced", False), False
         for gi, (group, ws) in enumerate(zip(self.param_groups, self._workspaces)):
-            ws.sync()
+            if not synced:  # grad_norm() (clipping, the overflow test) synced them just before
+                ws.sync()
             self._steps[gi] += 1
             beta1, beta2 = group["betas"]
             for buf in ws.buffers:
@@ -250,6 +259,7 @@ class LSAdam(torch.optim.Optimizer):
                     buf.param.copy_(buf.master)  # the low-precision weights follow the master
             ws.mark_params_written()
         self._grad_factor = 1.0
+        self._synced = False
 
     @property
     def steps(self) -> List[int]:
