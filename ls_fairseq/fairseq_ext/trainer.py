@@ -28,7 +28,11 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   --max-update, the last update of an epoch, and before checkpoints, validation and
   learning-rate steps. Between two updates, ``get_num_updates()`` may count the previous
   update before it is known whether it overflowed (fp16 overflows are rare after the first
-  steps); nothing that fairseq's loop decides is based on that provisional count;
+  steps); nothing that fairseq's loop decides is based on that provisional count. One visible
+  consequence: fairseq seeds each step's random numbers (dropout) with ``--seed`` plus the
+  update count, and a step that follows an overflow is seeded with that provisional count, so
+  after an overflow the dropout masks differ from fairseq's Trainer (the updates are otherwise
+  computed the same way; with dropout 0 the two give identical weights);
 * multi-GPU: the logging statistics and the sample size are summed across ranks in one
   collective on the GPU (host numbers travel through pinned memory), and the cross-rank
   gradient-norm check is evaluated when the update is resolved.
