@@ -26,11 +26,4 @@ echo "1 GPU uf4 rc=$?"
 $T "${COMMON[@]}" --max-update 120 --distributed-world-size 2 --update-freq 2 > "$OUT/p4_2gpu_uf2.log" 2>&1
 echo "2 GPUs uf2 rc=$?"
 grep -h "step timing" "$OUT"/p*.log | cut -c1-300
-python - "$OUT" <<'PY'
-import glob, re, sys
-for f in sorted(glob.glob(sys.argv[1] + "/p*.log")):
-    rows = [dict(re.findall(r"(\w+)=([\d.]+)", l)) for l in open(f) if "train_inner" in l]
-    late = [float(r["wps"]) for r in rows if int(r["num_updates"]) > 40]
-    print(f.split("/")[-1], "loss@" + " ".join(f"{r['num_updates']}:{r['loss']}" for r in rows),
-          f"| wps mean after update 40: {sum(late) / max(1, len(late)):.0f}")
-PY
+python benchmarks/summarize_train_logs.py "$OUT/p*.log" 40

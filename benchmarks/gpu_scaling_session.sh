@@ -31,11 +31,4 @@ if [[ "${SKIP_C10D:-0}" != 1 ]]; then
   echo "2 GPUs c10d rc=$?"
 fi
 grep -h -m1 -E "legacy_ddp|ddp.backend|overlap" "$OUT"/s2_*.log | cut -c1-250
-python - "$OUT" <<'PY'
-import glob, re, sys
-for f in sorted(glob.glob(sys.argv[1] + "/s*.log")):
-    rows = [dict(re.findall(r"(\w+)=([\d.]+)", l)) for l in open(f) if "train_inner" in l]
-    late = [float(r["wps"]) for r in rows if int(r["num_updates"]) > 60]
-    print(f.split("/")[-1], "loss@" + " ".join(f"{r['num_updates']}:{r['loss']}" for r in rows),
-          f"| wps mean after update 60: {sum(late) / max(1, len(late)):.0f}")
-PY
+python benchmarks/summarize_train_logs.py "$OUT/s*.log" 60

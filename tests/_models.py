@@ -64,3 +64,26 @@ def binarize(root, src="en", tgt="de"):
                     "--destdir", str(root / "bin"), "--joined-dictionary", "--workers", "1"],
                    check=True, capture_output=True)
     return str(root / "bin")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_two_ranks(worker, out_dir):
+    """Run ``worker(rank, port, out_dir)`` in two processes (torch.multiprocessing.spawn)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=2, join=True)
+
+
+def two_rank_results(worker, out_dir):
+    """spawn_two_ranks, then what each rank saved as ``rank{r}.pt`` in out_dir."""
+    import os
+
+    spawn_two_ranks(worker, out_dir)
+    return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt")) for r in (0, 1)]

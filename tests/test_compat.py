@@ -3,18 +3,14 @@
 import argparse
 import io
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _models import spawn_two_ranks
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, result_dir):
@@ -35,7 +31,7 @@ def _worker(rank, port, result_dir):
 def test_checkpoint_state_broadcast_unpickles_on_other_ranks(tmp_path):
     # fairseq resumes multi-GPU training by loading on rank 0 and broadcasting the pickled
     # state; without the fix the other ranks fail with "Weights only load failed".
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two_ranks(_worker, tmp_path)
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}").read_text() == "ls_transformer_tiny 3.0"
 

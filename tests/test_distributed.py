@@ -1,17 +1,13 @@
 """ls_adam's flat all-reduce under fairseq's legacy DDP wrapper, with two gloo processes on the CPU."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _models import two_rank_results
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -55,8 +51,7 @@ def _worker(rank, port, out_dir):
 
 
 def test_flat_all_reduce_averages_gradients_like_fairseqs_legacy_ddp(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    got = two_rank_results(_worker, tmp_path)
     expected_local = []
     for rank in (0, 1):
         model = _model()

@@ -4,21 +4,17 @@ the synchronous reduction after the backward, which must agree bit for bit."""
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ls_fairseq.optim.overlap import bucket_order, plan_buckets
 from ls_fairseq.optim.workspace import FlatWorkspace
 
+from _models import two_rank_results
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 # --------------------------------------------------------------------------- the bucket plan
@@ -204,8 +200,7 @@ def _worker(rank, port, out_dir):
 
 
 def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    got = two_rank_results(_worker, tmp_path)
     for rank in (0, 1):
         out = got[rank]
         assert out["mismatch"] == [], out["mismatch"]
