@@ -502,7 +502,7 @@ class LSTrainer(Trainer):
         itr = self.__dict__.get("_ls_epoch_itr")
         try:
             return itr is not None and itr.end_of_epoch()
-        except AttributeError:  # no epoch started on it yet
+        except (AttributeError, NotImplementedError):  # no epoch started yet / an iterator that cannot tell
             return False
 
     # -------------------------------------------------------- settling
