@@ -102,3 +102,31 @@ def test_scale_candidates_follow_fairseqs_loss_scaler():
     assert scale_candidates(low)[1] == 1.0
     with pytest.raises(FloatingPointError):
         low.check_overflow(float("inf"))
+
+
+@pytest.mark.slow
+def test_checkpoints_between_log_lines_hold_the_settled_state(data_bin, tmp_path, monkeypatch):  # noqa: F811
+    """With --log-interval above the run length nothing is settled for logging; the checkpoints that
+    --save-interval-updates writes still carry fairseq's exact update count and weights, and the last
+    checkpoint its loss scale too. (When the update after a save point overflows, fairseq's loop sees
+    the same count again and writes that interval checkpoint a second time, with the lowered loss
+    scale and one more batch consumed; the deferred step learns of the overflow one update later and
+    keeps the first one. Both are consistent states to resume from.)"""
+    from fairseq import checkpoint_utils
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    flags = ["--max-update", "7", "--fp16", "--fp16-init-scale", str(2 ** 20), "--fp16-scale-window", "2",
+             "--dropout", "0", "--log-interval", "100", "--save-interval-updates", "3", "--disable-validation"]
+    for sync in (True, False):
+        _run(data_bin, str(tmp_path / ("sync" if sync else "deferred")), sync, monkeypatch, *flags)
+    names = sorted(f for f in os.listdir(tmp_path / "sync") if f.endswith(".pt"))
+    assert "checkpoint_last.pt" in names and any("_3.pt" in f for f in names), names
+    assert names == sorted(f for f in os.listdir(tmp_path / "deferred") if f.endswith(".pt"))
+    for name in names:
+        a = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "sync" / name))
+        b = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "deferred" / name))
+        assert a["optimizer_history"][-1]["num_updates"] == b["optimizer_history"][-1]["num_updates"], name
+        if name == "checkpoint_last.pt":
+            assert a["last_optimizer_state"]["loss_scale"] == b["last_optimizer_state"]["loss_scale"]
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), (name, k)

@@ -32,7 +32,10 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   consequence: fairseq seeds each step's random numbers (dropout) with ``--seed`` plus the
   update count, and a step that follows an overflow is seeded with that provisional count, so
   after an overflow the dropout masks differ from fairseq's Trainer (the updates are otherwise
-  computed the same way; with dropout 0 the two give identical weights);
+  computed the same way; with dropout 0 the two give identical weights). Another: when the
+  update right after a --save-interval-updates point overflows, fairseq's loop sees the same count
+  again and writes that checkpoint a second time (lowered loss scale, one more batch consumed);
+  here the first one stays;
 * multi-GPU: the logging statistics and the sample size are summed across ranks in one
   collective on the GPU (host numbers travel through pinned memory), and the cross-rank
   gradient-norm check is evaluated when the update is resolved.
