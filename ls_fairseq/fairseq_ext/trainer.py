@@ -193,12 +193,12 @@ def scale_candidates(scaler):
 class _PendingStep:
     """An update whose outcome (gradient norm, the ranks' norms) is still on the device."""
 
-    def __init__(self, status, logging_outputs, sample_size, clip_norm):
+    def __init__(self, status, logging_outputs, sample_size, clip_norm, events=None):
         self.logging_outputs = logging_outputs
         self.sample_size = sample_size
         self.clip_norm = clip_norm
         self.output = None  # the DeferredLoggingOutput handed to fairseq's loop
-        self.events = None  # _StepTimer's CUDA events, when timing
+        self.events = events  # _StepTimer's CUDA events, when timing
         self.event = None
         if status.device.type == "cuda":
             self.host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
@@ -231,6 +231,14 @@ def _inconsistent(norms) -> bool:
     return max(abs(n - ref) for n in norms) / (ref + 1e-6) >= 1e-6
 
 
+def _inner_and_scaler(opt):
+    """The trainer's optimizer without fairseq's memory-efficient fp16/bf16 wrapper (ls_adam, or
+    whatever it wraps), and the wrapper's loss scaler (None for bf16 and without a wrapper)."""
+    if isinstance(opt, MemoryEfficientFP16Optimizer):
+        return opt.wrapped_optimizer, opt.scaler
+    return opt, None
+
+
 class _StepTimer:
     """``LS_FAIRSEQ_STEP_TIMING=1`` (CUDA, deferred step): GPU milliseconds of every micro-batch's
     forward + backward and of every whole update, from CUDA events read when the update is settled
@@ -238,7 +246,7 @@ class _StepTimer:
     per-batch times of data-parallel ranks differ (the slowest rank sets the pace)."""
 
     def __init__(self):
-        self.open, self.micro, self.updates = [], [], []
+        self.micro, self.updates = [], []
         import atexit
 
         atexit.register(self.report)
@@ -291,7 +299,7 @@ class LSTrainer(Trainer):
         seen = self.__dict__.get("_ls_deferred")
         if seen is not None and seen[0] is opt:
             return seen[1]
-        inner = opt.wrapped_optimizer if isinstance(opt, MemoryEfficientFP16Optimizer) else opt
+        inner, _ = _inner_and_scaler(opt)
         cfg = self.cfg
         reason = None
         if sync_step_requested():
@@ -326,9 +334,7 @@ class LSTrainer(Trainer):
         metrics.log_start_time("train_wall", priority=800, round=0)
 
         opt = self.optimizer
-        wrapper = opt if isinstance(opt, MemoryEfficientFP16Optimizer) else None
-        ls_adam = wrapper.wrapped_optimizer if wrapper is not None else opt
-        scaler = wrapper.scaler if wrapper is not None else None
+        ls_adam, scaler = _inner_and_scaler(opt)
         scale = self._device_loss_scale(scaler)
         knobs = self._knobs()
         task_opt = _ScaledLossOptimizer(opt, scale)
@@ -435,8 +441,8 @@ class LSTrainer(Trainer):
 
         if timer is not None:
             events.append(timer.mark())
-        pending = _PendingStep(torch.cat(status), logging_outputs, sample_size, clip)
-        pending.events = events if timer is not None and len(events) == 2 * len(samples) + 1 else None
+        complete = timer is not None and len(events) == 2 * len(samples) + 1  # no micro-batch lost to OOM
+        pending = _PendingStep(torch.cat(status), logging_outputs, sample_size, clip, events if complete else None)
         self._ls_pending = pending
         num_updates = self.get_num_updates() + 1
         self.set_num_updates(num_updates)  # provisional until settled
@@ -520,14 +526,12 @@ class LSTrainer(Trainer):
             pending.events[-1].synchronize()  # recorded after the Adam step that the read above waited for
             self._ls_timer.settle(pending.events)
         grad_norm, norms = values[0], values[1:]
-        opt = self.optimizer
-        wrapper = opt if isinstance(opt, MemoryEfficientFP16Optimizer) else None
-        scaler = wrapper.scaler if wrapper is not None else None
+        ls_adam, scaler = _inner_and_scaler(self.optimizer)
         if not math.isfinite(grad_norm):
             if scaler is None:
                 raise FloatingPointError("gradients are Nan/Inf (the update was not applied)")
             # fairseq: no update, the loss scale goes down, nothing is logged for this step
-            (wrapper.wrapped_optimizer if wrapper else opt)._optimizer.forget_last_step()
+            ls_adam._optimizer.forget_last_step()
             self.set_num_updates(self.get_num_updates() - 1)
             try:
                 scaler.check_overflow(grad_norm)
