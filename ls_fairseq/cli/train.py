@@ -6,9 +6,10 @@ Every fairseq-train flag works unchanged. Differences from plain ``fairseq-train
   ``--optimizer ls_adam`` and ``--criterion ls_label_smoothed_cross_entropy`` are known;
 * checkpoints load under torch >= 2.6 (fairseq's torch.load needs ``weights_only=False``);
 * the training loop runs on :class:`ls_fairseq.fairseq_ext.trainer.LSTrainer`, fairseq's Trainer
-  without two per-step host stalls (pinned batch copies; no per-step read-back of the logged
-  statistics): the same updates, a few percent faster. ``LS_FAIRSEQ_PLAIN_TRAINER=1`` keeps
-  fairseq's Trainer; the process group of a multi-GPU run is torn down after training;
+  without its per-step host waits (pinned batch copies, statistics read only when logged, and for
+  ls_adam an update step that reads nothing back from the GPU; see that module for the two visible
+  differences after an fp16 overflow). ``LS_FAIRSEQ_PLAIN_TRAINER=1`` keeps fairseq's Trainer;
+  the process group of a multi-GPU run is torn down after training;
 * ``--optimizer ls_adam`` in a distributed run (``--distributed-world-size`` > 1, whose default
   is the number of visible GPUs) without ``--ddp-backend`` on the command line trains under
   ``--ddp-backend legacy_ddp``: ls_adam then all-reduces its flat gradient buffers itself, in
@@ -201,9 +202,9 @@ def ls_adam_owns_master_weights(args: argparse.Namespace) -> bool:
 
     fairseq's default FP16Optimizer keeps a second fp32 copy of every parameter and gradient
     and copies them tensor by tensor each step; ls_adam already keeps fp32 masters in its flat
-    workspace and folds the unscaling into its single fused step. Measured on an H200
-    (benchmarks/RESULTS.md): same speed or slightly faster, peak memory 3.19 vs 3.98 GB on
-    transformer-big at 8192 tokens. Returns True when it switched the wrapper.
+    workspace and folds the unscaling into its single fused step: one fp32 copy fewer, and on
+    an H200 the same speed or slightly faster (benchmarks/RESULTS.md). Returns True when it
+    switched the wrapper.
     """
     if getattr(args, "optimizer", None) != "ls_adam" or os.environ.get("LS_FAIRSEQ_FP16_OPTIMIZER") == "1":
         return False

@@ -171,10 +171,18 @@ class _Backends:
         return False
 
 
+def _choice(short: bool):
+    """(backends, set_priority) for long and short sequences."""
+    if not short:
+        return _SDPA_BACKENDS, False
+    if _HAS_PRIORITY:  # efficient first, flash where efficient cannot run
+        return _SDPA_SHORT, True
+    return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], False
+
+
 def _make_backends():
-    short = _SDPA_SHORT if _HAS_PRIORITY else [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     try:
-        return _Backends(_SDPA_BACKENDS), _Backends(short, set_priority=_HAS_PRIORITY)
+        return _Backends(*_choice(False)), _Backends(*_choice(True))
     except (ImportError, AttributeError):  # a torch without these internals: the public context manager
         return None
 
@@ -185,11 +193,8 @@ _FAST_BACKENDS = _make_backends()
 def _backends(short: bool):
     if _FAST_BACKENDS is not None:
         return _FAST_BACKENDS[1] if short else _FAST_BACKENDS[0]
-    if not short:
-        return sdpa_kernel(_SDPA_BACKENDS)
-    if _HAS_PRIORITY:  # efficient first, flash where efficient cannot run
-        return sdpa_kernel(_SDPA_SHORT, set_priority=True)
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    backends, set_priority = _choice(short)
+    return sdpa_kernel(backends, set_priority=set_priority)
 
 
 class _SplitFn(torch.autograd.Function):
