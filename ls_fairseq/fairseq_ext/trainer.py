@@ -52,6 +52,10 @@ Other host stalls removed for every optimizer:
 * with an ls_transformer, the target positions ls_label_smoothed_cross_entropy counts and
   whether the source has padding are found while the batch is still on the host.
 
+``--grouped-shuffling`` keeps all batches of one update (every rank, every micro-batch)
+together, so the ranks of an update get batches of similar length and cost
+(:mod:`ls_fairseq.fairseq_ext.batching`; lightseq-train turns it on for multi-GPU runs).
+
 ``LS_FAIRSEQ_SYNC_STEP=1`` keeps fairseq's step body (with the stalls above, still on
 LSTrainer); ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fairseq's Trainer unchanged.
 Other optimizers, --amp, --use-bmuf, --ema, FSDP, SlowMo, model/pipeline parallelism and tasks
@@ -74,6 +78,7 @@ from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
 from fairseq.tasks import FairseqTask
 from fairseq.trainer import Trainer
 
+from ls_fairseq.fairseq_ext.batching import group_batches_by_update
 from ls_fairseq.fairseq_ext.criterion import (
     COUNTED_ROWS_KEY,
     LSLabelSmoothedCrossEntropyCriterion,
@@ -608,6 +613,8 @@ class LSTrainer(Trainer):
     def get_train_iterator(self, *args, **kwargs):
         self._ls_resolve()
         itr = super().get_train_iterator(*args, **kwargs)
+        if self.cfg.dataset.grouped_shuffling:
+            itr = group_batches_by_update(itr, self.cfg.optimization.update_freq)
         self._ls_epoch_itr = itr
         return itr
 
