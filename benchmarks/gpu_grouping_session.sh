@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One call on a 2-GPU machine: does grouped shuffling (lightseq-train's default on several GPUs,
+# One call on a 2-GPU machine: does grouped shuffling (lightseq-train --grouped-shuffling,
 # ls_fairseq/fairseq_ext/batching.py) remove the wait for the rank with the costlier batch?
 #   g1  1 GPU, --update-freq 2 --grouped-shuffling  (the same batches, update by update, as g2)
-#   g2  2 GPUs, default (grouped)
-#   g3  2 GPUs, --no-grouped-shuffling               (fairseq's order, the previous default)
+#   g2  2 GPUs, --grouped-shuffling
+#   g3  2 GPUs                                       (fairseq's order)
 #   g4  1 GPU, --update-freq 2                       (the same batches as g3)
 #   g5  1 GPU, --update-freq 4 --grouped-shuffling   (the same batches as g6)
-#   g6  2 GPUs, --update-freq 2 (grouped)
+#   g6  2 GPUs, --update-freq 2 --grouped-shuffling
 # Scaling is g2/g1, g3/g4 and g6/g5: each pair trains on the same batches, so the batch mix does
 # not enter the ratio. Dropout 0: the loss curves of each pair must agree. Logs under $OUT.
+# Environment: MAX_TOKENS (8192), UPDATES (200), SKIP_UF=1 skips g5/g6.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ls_scaling}; mkdir -p "$OUT"
@@ -20,18 +21,17 @@ UPD=${UPDATES:-200}
 COMMON=($D --task translation -s src -t tgt --arch ls_transformer_wmt_en_de_big_t2t --share-all-embeddings
   --optimizer ls_adam --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --dropout 0
   --attention-dropout 0 --activation-dropout 0 --criterion ls_label_smoothed_cross_entropy --label-smoothing 0.1
-  --fp16 --seed 1 --log-format simple --log-interval 20 --num-workers 2 --max-tokens 8192 --disable-validation
+  --fp16 --seed 1 --log-format simple --log-interval 20 --num-workers 2 --max-tokens "${MAX_TOKENS:-8192}" --disable-validation
   --no-save)
 T="python -m ls_fairseq.cli.train"
 run() { local name=$1; shift; "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; }
 run g1_1gpu_uf2_grouped env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" --max-update "$UPD" --update-freq 2 --grouped-shuffling
-run g2_2gpu_grouped $T "${COMMON[@]}" --max-update "$UPD" --distributed-world-size 2
-run g3_2gpu_plain $T "${COMMON[@]}" --max-update "$UPD" --distributed-world-size 2 --no-grouped-shuffling
+run g2_2gpu_grouped $T "${COMMON[@]}" --max-update "$UPD" --distributed-world-size 2 --grouped-shuffling
+run g3_2gpu_plain $T "${COMMON[@]}" --max-update "$UPD" --distributed-world-size 2
 run g4_1gpu_uf2_plain env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" --max-update "$UPD" --update-freq 2
 if [[ "${SKIP_UF:-0}" != 1 ]]; then
   run g5_1gpu_uf4_grouped env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" --max-update 120 --update-freq 4 --grouped-shuffling
-  run g6_2gpu_uf2_grouped $T "${COMMON[@]}" --max-update 120 --distributed-world-size 2 --update-freq 2
+  run g6_2gpu_uf2_grouped $T "${COMMON[@]}" --max-update 120 --distributed-world-size 2 --update-freq 2 --grouped-shuffling
 fi
-grep -h -m2 -E "grouped-shuffling \(|legacy_ddp" "$OUT"/g2_*.log | cut -c1-200
 python benchmarks/summarize_train_logs.py "$OUT/g[1-4]*.log" 60
 python benchmarks/summarize_train_logs.py "$OUT/g[56]*.log" 40

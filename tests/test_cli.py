@@ -133,27 +133,27 @@ def test_ddp_backend_is_left_alone_under_fairseqs_fp16_optimizer(monkeypatch):
 
 
 @pytest.mark.parametrize("extra, grouped, rebuild", [
-    (["--distributed-world-size", "2"], True, False),  # several GPUs: on, the iterator is kept
-    (["--distributed-world-size", "2", "--no-grouped-shuffling"], False, False),
-    (["--distributed-world-size", "1"], False, False),
-    (["--distributed-world-size", "1", "--grouped-shuffling"], True, False),  # fairseq would rebuild it
+    (["--distributed-world-size", "2"], False, False),  # fairseq's shuffle unless asked for
+    (["--distributed-world-size", "2", "--grouped-shuffling"], True, False),  # fairseq would rebuild
+    (["--grouped-shuffling"], True, False),
     (["--grouped-shuffling", "--update-epoch-batch-itr", "True"], True, True),  # an explicit choice stays
 ])
-def test_grouped_shuffling_defaults(monkeypatch, caplog, extra, grouped, rebuild):
-    with caplog.at_level("INFO", logger="ls_fairseq.cli.train"):
-        args = _parse(_ARGS + ["--optimizer", "adam"] + extra, monkeypatch)
+def test_grouped_shuffling_keeps_the_epoch_iterator(monkeypatch, extra, grouped, rebuild):
+    args = _parse(_ARGS + ["--optimizer", "adam"] + extra, monkeypatch)
     assert args.grouped_shuffling is grouped
     assert str(args.update_epoch_batch_itr) == str(rebuild)  # fairseq keeps an explicit value as text
-    announced = any("--grouped-shuffling (the batches" in r.getMessage() for r in caplog.records)
-    assert announced == (grouped and "--grouped-shuffling" not in extra)
 
 
 def test_grouped_shuffling_is_fairseqs_under_the_plain_trainer(monkeypatch):
     monkeypatch.setenv("LS_FAIRSEQ_PLAIN_TRAINER", "1")
-    args = _parse(_ARGS + ["--distributed-world-size", "2"], monkeypatch)
-    assert not args.grouped_shuffling
     args = _parse(_ARGS + ["--grouped-shuffling"], monkeypatch)
     assert args.grouped_shuffling and args.update_epoch_batch_itr  # fairseq's own default
+
+
+def test_grouped_shuffling_help_names_the_update_grouping():
+    out = subprocess.run([sys.executable, "-m", "ls_fairseq.cli.train", "--help"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120).stdout
+    assert "shuffle whole updates" in " ".join(out.split())
 
 
 def test_explicit_tpu_is_kept(monkeypatch):

@@ -10,10 +10,9 @@ Every fairseq-train flag works unchanged. Differences from plain ``fairseq-train
   ls_adam an update step that reads nothing back from the GPU; see that module for the two visible
   differences after an fp16 overflow). ``LS_FAIRSEQ_PLAIN_TRAINER=1`` keeps fairseq's Trainer;
   the process group of a multi-GPU run is torn down after training;
-* a distributed run shuffles whole updates (``--grouped-shuffling``, see
-  :mod:`ls_fairseq.fairseq_ext.batching`): the batches of one update are length neighbours, so
-  the GPUs of an update do not wait for one with a costlier batch; ``--no-grouped-shuffling``
-  shuffles single batches as fairseq does;
+* ``--grouped-shuffling`` shuffles whole updates (:mod:`ls_fairseq.fairseq_ext.batching`): the
+  batches of one update, on every GPU and every micro-batch, are length neighbours, and a 1-GPU
+  run with ``--update-freq N*k`` takes exactly the updates of N GPUs with ``--update-freq k``;
 * ``--optimizer ls_adam`` in a distributed run (``--distributed-world-size`` > 1, whose default
   is the number of visible GPUs) without ``--ddp-backend`` on the command line trains under
   ``--ddp-backend legacy_ddp``: ls_adam then all-reduces its flat gradient buffers itself, in
@@ -48,9 +47,8 @@ BF16_HELP = (
 MEM_BF16_HELP = "bf16 with fairseq's memory-efficient wrapper (no fp32 copy of the grads); implies --bf16"
 GROUPED_HELP = (
     "shuffle whole updates: the num_shards x update_freq batches of an update are neighbours in "
-    "the length-sorted order, so every GPU gets batches of similar cost (lightseq-train: on by "
-    "default with several GPUs; a 1-GPU run with --update-freq N*k and this flag sees the data "
-    "order of N GPUs with --update-freq k)"
+    "the length-sorted order, so every GPU gets batches of similar cost (lightseq-train; a 1-GPU "
+    "run with --update-freq N*k and this flag sees the data order of N GPUs with --update-freq k)"
 )
 EPILOG = (
     "lightseq-train is fairseq-train with the ls_fairseq plugin as --user-dir (unless you give "
@@ -143,13 +141,8 @@ def _modify_parser(parser: argparse.ArgumentParser) -> None:
             action.help = BF16_HELP
         elif action.dest == "memory_efficient_bf16":
             action.help = MEM_BF16_HELP
-        elif action.dest == "grouped_shuffling" and action.option_strings == ["--grouped-shuffling"]:
+        elif action.dest == "grouped_shuffling":
             action.help = GROUPED_HELP
-    grouped = parser._option_string_actions.get("--grouped-shuffling")
-    if grouped is not None and "--no-grouped-shuffling" not in parser._option_string_actions:
-        group = next((g for g in parser._action_groups if grouped in g._group_actions), parser)
-        group.add_argument("--no-grouped-shuffling", dest="grouped_shuffling", action="store_false",
-                           help="lightseq-train: shuffle single batches as fairseq does, also on several GPUs")
 
 
 def check_precision_flags(argv: List[str]) -> None:
@@ -185,10 +178,6 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         logger.info("--optimizer ls_adam with --distributed-world-size %d: --ddp-backend legacy_ddp, under "
                     "which ls_adam all-reduces its flat gradient buffers itself, overlapped with the backward "
                     "pass (give --ddp-backend to choose another backend)", args.distributed_world_size)
-    if group_updates_by_default(args, argv):
-        logger.info("--distributed-world-size %d: --grouped-shuffling (the batches of an update have similar "
-                    "lengths on every GPU, so no GPU waits for a slower one; --no-grouped-shuffling to turn off)",
-                    args.distributed_world_size)
     keep_epoch_iterator(args, argv)
     return args
 
@@ -198,7 +187,7 @@ def keep_epoch_iterator(args: argparse.Namespace, argv: List[str]) -> bool:
     rebuilds the batch iterator (and the batches) at every epoch. LSTrainer's grouping is applied
     to whichever iterator it gets, so the rebuild is not needed; without it a run with
     ``--grouped-shuffling`` batches the data exactly as one without (only the order of the batches
-    differs), whether the flag was given or turned on for several GPUs. An explicit
+    differs). An explicit
     ``--update-epoch-batch-itr`` is kept. Returns True when it changed the setting."""
     from ls_fairseq.fairseq_ext.trainer import plain_trainer_requested
 
@@ -207,27 +196,6 @@ def keep_epoch_iterator(args: argparse.Namespace, argv: List[str]) -> bool:
     if plain_trainer_requested() or _common.has_flag(argv, "--update-epoch-batch-itr"):
         return False
     args.update_epoch_batch_itr = False
-    return True
-
-
-def group_updates_by_default(args: argparse.Namespace, argv: List[str]) -> bool:
-    """A distributed run shuffles whole updates (``--grouped-shuffling``) unless the command line
-    says ``--grouped-shuffling`` or ``--no-grouped-shuffling`` itself.
-
-    Every update waits for its slowest rank; batches of neighbouring lengths cost about the same,
-    so the ranks stop waiting for each other (ls_fairseq/fairseq_ext/batching.py). Only with
-    LSTrainer, which implements the grouping by update (fairseq's Trainer would group by rank
-    only and drop the last batches). Returns True when it switched it on.
-    """
-    from ls_fairseq.fairseq_ext.trainer import plain_trainer_requested
-
-    if _common.has_flag(argv, "--grouped-shuffling") or _common.has_flag(argv, "--no-grouped-shuffling"):
-        return False
-    if int(getattr(args, "distributed_world_size", 1) or 1) < 2 or getattr(args, "tpu", False):
-        return False
-    if plain_trainer_requested() or getattr(args, "grouped_shuffling", None) is None:
-        return False
-    args.grouped_shuffling = True
     return True
 
 

@@ -1,11 +1,13 @@
 """Grouped shuffling: the batches of one update have similar lengths on every GPU.
 
 In a multi-GPU run every update waits for the slowest rank. fairseq builds its batches from
-sentences sorted by length, so at the same --max-tokens a batch of long sentences costs more
-GPU time than one of short sentences (attention, fewer rows per padded token, kernel shapes),
-and the random shuffle puts unrelated batches on the ranks of an update: the faster ranks
-wait. On two H200s at 8192 tokens this waiting cost about 2.5 ms of a 29 ms update
-(benchmarks/RESULTS.md, "Multi-GPU").
+sentences sorted by length, so at the same --max-tokens a batch of long sentences can cost more
+GPU time than one of short sentences, and the random shuffle puts unrelated batches on the
+ranks of an update. On two H200s (benchmarks/RESULTS.md, "Multi-GPU") grouping the updates
+changed the throughput by +0.5% at 8192 and +1.0% at 16384 tokens per GPU: a step there is
+bound by the host about as much as by the GPU, so a rank with a cheaper batch mostly waits for
+its own host anyway. It is therefore an option, not a default. Its other use: with it, one GPU
+reproduces the updates of several.
 
 fairseq's ``--grouped-shuffling`` shuffles groups of ``num_shards`` consecutive batches of the
 length-sorted list instead of single batches, so the ranks of an update get neighbouring (similar)

@@ -54,7 +54,7 @@ Other host stalls removed for every optimizer:
 
 ``--grouped-shuffling`` keeps all batches of one update (every rank, every micro-batch)
 together, so the ranks of an update get batches of similar length and cost
-(:mod:`ls_fairseq.fairseq_ext.batching`; lightseq-train turns it on for multi-GPU runs).
+(:mod:`ls_fairseq.fairseq_ext.batching`).
 
 ``LS_FAIRSEQ_SYNC_STEP=1`` keeps fairseq's step body (with the stalls above, still on
 LSTrainer); ``LS_FAIRSEQ_PLAIN_TRAINER=1`` makes lightseq-train use fairseq's Trainer unchanged.

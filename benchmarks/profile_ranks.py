@@ -1,0 +1,112 @@
+"""Where the GPU time of an update goes on every rank of a lightseq-train run (torch.profiler).
+
+    torchrun --nproc_per_node 2 benchmarks/profile_ranks.py --profile-updates 120:20 DATA <lightseq-train args>
+    python benchmarks/profile_ranks.py --profile-updates 120:20 DATA <lightseq-train args> --update-freq 2
+
+Runs lightseq-train unchanged and records the CUDA kernels of ``count`` updates starting at update
+``start`` (after a device synchronisation; the training itself is not changed). Each rank then
+prints, per update: the host wall time, the GPU timeline span, the time covered by compute
+kernels, by NCCL kernels, by NCCL kernels while no compute kernel ran (communication that was not
+overlapped) and the time no kernel ran at all (the GPU waiting for the host or for another rank),
+followed by the largest idle gaps (named by the kernels before and after them) and the top kernels.
+"""
+
+import os
+import sys
+import time
+
+
+def _pop(argv, name, default):
+    if name in argv:
+        i = argv.index(name)
+        value = argv[i + 1]
+        del argv[i:i + 2]
+        return value
+    return default
+
+
+def _union(spans):
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def report(prof, wall_s, count, top=8):
+    rank = int(os.environ.get("RANK", "0"))
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    if not events:
+        print(f"[rank {rank}] no CUDA kernels recorded", flush=True)
+        return
+    spans = [(e.time_range.start, e.time_range.end) for e in events]
+    nccl = [(e.time_range.start, e.time_range.end) for e in events if "nccl" in e.name.lower()]
+    compute = [(e.time_range.start, e.time_range.end) for e in events if "nccl" not in e.name.lower()]
+    window = max(s[1] for s in spans) - min(s[0] for s in spans)
+    busy, busy_compute = _union(spans), _union(compute)
+    per = 1e3 * count  # us -> ms per update
+    print(f"[rank {rank}] PROFILE {count} updates: wall {wall_s * 1e3 / count:.2f} ms/update, GPU span "
+          f"{window / per:.2f}, compute kernels {busy_compute / per:.2f}, NCCL kernels {_union(nccl) / per:.2f} "
+          f"(not overlapped with compute {(busy - busy_compute) / per:.2f}), no kernel running "
+          f"{(window - busy) / per:.2f}, kernels/update {len(events) / count:.0f}", flush=True)
+    # idle gaps (no kernel on any stream), each attributed to the kernels on both sides of it
+    gaps, end, prev = {}, None, None
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if end is not None and e.time_range.start - end > 10:
+            key = f"{prev[:48]} -> {e.name[:48]}"
+            g = gaps.setdefault(key, [0.0, 0])
+            g[0] += e.time_range.start - end
+            g[1] += 1
+        if end is None or e.time_range.end > end:
+            end, prev = e.time_range.end, e.name
+    for key, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"[rank {rank}]   idle {t / per:6.3f} ms/update in {n / count:5.1f} gaps >10us: {key}", flush=True)
+    by_name = {}
+    for e in events:
+        t = by_name.setdefault(e.name, [0.0, 0])
+        t[0] += e.time_range.end - e.time_range.start
+        t[1] += 1
+    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"[rank {rank}]   {t / per:7.3f} ms/update {n / count:6.1f} calls  {name[:110]}", flush=True)
+
+
+def main():
+    argv = sys.argv[1:]
+    start, count = (int(x) for x in _pop(argv, "--profile-updates", "120:20").split(":"))
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ls_fairseq.cli import train
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+
+    step = LSTrainer.train_step
+    state = {}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def train_step(self, samples, raise_oom=False):
+        if "prof" not in state and self.get_num_updates() >= start:
+            sync()
+            state["prof"] = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
+            state["prof"].__enter__()
+            state["t0"], state["n0"] = time.perf_counter(), self.get_num_updates()
+        out = step(self, samples, raise_oom)
+        if "prof" in state and "done" not in state and self.get_num_updates() >= state["n0"] + count:
+            sync()
+            wall = time.perf_counter() - state["t0"]
+            state["prof"].__exit__(None, None, None)
+            state["done"] = True
+            report(state["prof"], wall, self.get_num_updates() - state["n0"])
+        return out
+
+    LSTrainer.train_step = train_step
+    train.cli_main(argv)
+
+
+if __name__ == "__main__":
+    main()
