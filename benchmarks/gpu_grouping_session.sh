@@ -10,21 +10,9 @@
 # Scaling is g2/g1, g3/g4 and g6/g5: each pair trains on the same batches, so the batch mix does
 # not enter the ratio. Dropout 0: the loss curves of each pair must agree. Logs under $OUT.
 # Environment: MAX_TOKENS (8192), UPDATES (200), SKIP_UF=1 skips g5/g6.
-set -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ls_scaling}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0 PYTHONPATH=$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python -c "import ls_fairseq._C" 2>/dev/null || python setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
-D=${DATA:-.benchdata/wmt_synth}
+source benchmarks/multi_gpu_common.sh
 UPD=${UPDATES:-200}
-COMMON=($D --task translation -s src -t tgt --arch ls_transformer_wmt_en_de_big_t2t --share-all-embeddings
-  --optimizer ls_adam --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --dropout 0
-  --attention-dropout 0 --activation-dropout 0 --criterion ls_label_smoothed_cross_entropy --label-smoothing 0.1
-  --fp16 --seed 1 --log-format simple --log-interval 20 --num-workers 2 --max-tokens "${MAX_TOKENS:-8192}" --disable-validation
-  --no-save)
-T="python -m ls_fairseq.cli.train"
-run() { local name=$1; shift; "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; }
 run g1_1gpu_uf2_grouped env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" --max-update "$UPD" --update-freq 2 --grouped-shuffling
 run g2_2gpu_grouped $T "${COMMON[@]}" --max-update "$UPD" --distributed-world-size 2 --grouped-shuffling
 run g3_2gpu_plain $T "${COMMON[@]}" --max-update "$UPD" --distributed-world-size 2

@@ -2,18 +2,9 @@
 # One call on a 2-GPU machine: torch.profiler timelines of 30 updates on every rank
 # (benchmarks/profile_ranks.py): 1 GPU --update-freq 2 --grouped-shuffling, 2 GPUs (default:
 # grouped, overlapped all-reduce), 2 GPUs with the all-reduce after the backward. Logs under $OUT.
-set -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ls_scaling}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0 PYTHONPATH=$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python -c "import ls_fairseq._C" 2>/dev/null || python setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
-D=${DATA:-.benchdata/wmt_synth}
-COMMON=($D --task translation -s src -t tgt --arch ls_transformer_wmt_en_de_big_t2t --share-all-embeddings
-  --optimizer ls_adam --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --dropout 0
-  --attention-dropout 0 --activation-dropout 0 --criterion ls_label_smoothed_cross_entropy --label-smoothing 0.1
-  --fp16 --seed 1 --log-format simple --log-interval 20 --num-workers 2 --max-tokens 8192 --disable-validation
-  --no-save --max-update 155)
+source benchmarks/multi_gpu_common.sh
+COMMON+=(--max-update 155)
 P="benchmarks/profile_ranks.py --profile-updates 120:30"
 CUDA_VISIBLE_DEVICES=0 python $P "${COMMON[@]}" --update-freq 2 --grouped-shuffling > "$OUT/pr1_1gpu_uf2.log" 2>&1
 echo "pr1 rc=$?"

@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from _timeline import covered_time
+
 
 def _pop(argv, name, default):
     if name in argv:
@@ -23,20 +25,6 @@ def _pop(argv, name, default):
         del argv[i:i + 2]
         return value
     return default
-
-
-def _union(spans):
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(spans):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
 
 
 def report(prof, wall_s, count, top=8):
@@ -49,10 +37,10 @@ def report(prof, wall_s, count, top=8):
     nccl = [(e.time_range.start, e.time_range.end) for e in events if "nccl" in e.name.lower()]
     compute = [(e.time_range.start, e.time_range.end) for e in events if "nccl" not in e.name.lower()]
     window = max(s[1] for s in spans) - min(s[0] for s in spans)
-    busy, busy_compute = _union(spans), _union(compute)
+    busy, busy_compute = covered_time(spans), covered_time(compute)
     per = 1e3 * count  # us -> ms per update
     print(f"[rank {rank}] PROFILE {count} updates: wall {wall_s * 1e3 / count:.2f} ms/update, GPU span "
-          f"{window / per:.2f}, compute kernels {busy_compute / per:.2f}, NCCL kernels {_union(nccl) / per:.2f} "
+          f"{window / per:.2f}, compute kernels {busy_compute / per:.2f}, NCCL kernels {covered_time(nccl) / per:.2f} "
           f"(not overlapped with compute {(busy - busy_compute) / per:.2f}), no kernel running "
           f"{(window - busy) / per:.2f}, kernels/update {len(events) / count:.0f}", flush=True)
     # idle gaps (no kernel on any stream), each attributed to the kernels on both sides of it

@@ -14,6 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for ls_fairseq
 
+from _timeline import covered_time  # noqa: E402
 from _trainer_setup import build, first_batches, pop_flag, pop_option  # noqa: E402
 
 
@@ -50,17 +51,7 @@ def main():
     wall = time.perf_counter() - t0
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     # kernel intervals (us) for the idle estimate
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    busy = covered_time((e.time_range.start, e.time_range.end) for e in events)
     by_name = {}
     for e in events:
         by_name.setdefault(e.name, [0.0, 0])
