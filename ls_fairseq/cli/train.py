@@ -187,8 +187,8 @@ def keep_epoch_iterator(args: argparse.Namespace, argv: List[str]) -> bool:
     rebuilds the batch iterator (and the batches) at every epoch. LSTrainer's grouping is applied
     to whichever iterator it gets, so the rebuild is not needed; without it a run with
     ``--grouped-shuffling`` batches the data exactly as one without (only the order of the batches
-    differs). An explicit
-    ``--update-epoch-batch-itr`` is kept. Returns True when it changed the setting."""
+    differs). An explicit ``--update-epoch-batch-itr`` is kept. Returns True when it changed the
+    setting."""
     from ls_fairseq.fairseq_ext.trainer import plain_trainer_requested
 
     if not getattr(args, "grouped_shuffling", False) or not getattr(args, "update_epoch_batch_itr", False):

@@ -23,8 +23,8 @@ batches. LSTrainer keeps that idea and changes three details:
   batches.
 
 The order is a function of ``--seed``, the epoch and the group size only, so a restart from a
-checkpoint continues with the same batches. With a group of one batch (1 GPU, update-freq 1)
-fairseq's own shuffle is used unchanged.
+checkpoint continues with the same batches. With a group of one batch (1 GPU, update-freq 1),
+without shuffling and with ``--fix-batches-to-gpus`` fairseq's own order is used unchanged.
 """
 
 import logging
