@@ -87,3 +87,42 @@ def two_rank_results(worker, out_dir):
 
     spawn_two_ranks(worker, out_dir)
     return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt")) for r in (0, 1)]
+
+
+def lightseq_train_two_ranks(data, save_dir, log_dir, flags, env=None, timeout: int = 300):
+    """lightseq-train as two gloo processes (ranks 0 and 1, --distributed-no-spawn) on the CPU.
+    Returns rank 0's train_inner records by update (``--log-format json`` in ``flags``); raises
+    with the log's tail when a rank fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    procs, logs = [], []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "ls_fairseq.cli.train", data, "--save-dir", str(save_dir), *flags,
+               "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-backend", "gloo",
+               "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
+        log = open(os.path.join(str(log_dir), f"rank{rank}.log"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    text = open(os.path.join(str(log_dir), "rank0.log")).read()
+    if codes != [0, 0]:
+        raise AssertionError(f"two-rank lightseq-train exited with {codes}:\n{text[-4000:]}")
+    records = {}
+    for line in text.splitlines():
+        if "| train_inner |" in line:
+            rec = json.loads(line.split("| train_inner | ", 1)[1])
+            records[int(rec["num_updates"])] = rec
+    return records

@@ -5,15 +5,12 @@ Checked on fairseq's own EpochBatchIterator over a dataset whose batch k stands 
 shortest batch, then end to end: two gloo ranks of lightseq-train --grouped-shuffling train
 exactly like one process with --update-freq 2 --grouped-shuffling."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from _models import free_port
+from _models import lightseq_train_two_ranks
 from test_end_to_end import TRAIN_FLAGS, _params, data_bin, inner_by_update, train  # noqa: F401  (fixture)
 
 from ls_fairseq.fairseq_ext.batching import (
@@ -21,8 +18,6 @@ from ls_fairseq.fairseq_ext.batching import (
     group_batches_by_update,
     grouped_order,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cyclic_run(positions, n):
@@ -178,33 +173,8 @@ _RANK_FLAGS = ["--dropout", "0", "--max-update", "8", "--log-interval", "1"]
 def test_two_ranks_train_like_one_process_with_update_freq_2(data_bin, tmp_path):  # noqa: F811
     """lightseq-train --grouped-shuffling on two gloo processes and on one process with
     --update-freq 2 takes the same updates (same losses, same weights)."""
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     save2 = str(tmp_path / "two")
-    procs, logs = [], []
-    for rank in (0, 1):
-        cmd = [sys.executable, "-m", "ls_fairseq.cli.train", data_bin, "--save-dir", save2, *TRAIN_FLAGS,
-               *_RANK_FLAGS, "--distributed-world-size", "2", "--distributed-rank", str(rank),
-               "--distributed-backend", "gloo", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-               "--distributed-no-spawn", "--grouped-shuffling"]
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for log in logs:
-            log.close()
-    text = (tmp_path / "rank0.log").read_text()
-    assert codes == [0, 0], text[-4000:]
-    two = {}
-    for line in text.splitlines():
-        if "| train_inner |" in line:
-            rec = json.loads(line.split("| train_inner | ", 1)[1])
-            two[int(rec["num_updates"])] = rec
+    two = lightseq_train_two_ranks(data_bin, save2, tmp_path, [*TRAIN_FLAGS, *_RANK_FLAGS, "--grouped-shuffling"])
     one = inner_by_update(train(data_bin, str(tmp_path / "one"), *_RANK_FLAGS, "--update-freq", "2",
                                 "--grouped-shuffling"))
     assert sorted(one) == sorted(two) == list(range(1, 9))

@@ -130,3 +130,66 @@ def test_checkpoints_between_log_lines_hold_the_settled_state(data_bin, tmp_path
             assert a["last_optimizer_state"]["loss_scale"] == b["last_optimizer_state"]["loss_scale"]
         for k in a["model"]:
             assert torch.equal(a["model"][k], b["model"][k]), (name, k)
+
+
+@pytest.mark.slow
+def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):  # noqa: F811
+    """Two gloo ranks: the deferred step (statistics summed on the device, read back with the
+    update's outcome when it is settled) logs what fairseq's step body logs and ends with the
+    same weights, with clipping active. (fp32: fairseq's own fp16 overflow branch needs a CUDA
+    build, and the child processes cannot be patched like the in-process tests above.)"""
+    from _models import lightseq_train_two_ranks
+    from test_end_to_end import TRAIN_FLAGS
+
+    from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
+
+    patch_checkpoint_loading()  # fairseq's checkpoint reader under torch >= 2.6, as lightseq-train does
+    flags = [*TRAIN_FLAGS, "--max-update", "9", "--clip-norm", "0.1", "--dropout", "0", "--log-interval", "3",
+             "--disable-validation"]
+    runs = {}
+    for name, env in (("sync", {"LS_FAIRSEQ_SYNC_STEP": "1"}), ("deferred", {})):
+        save = tmp_path / name
+        save.mkdir()
+        runs[name] = lightseq_train_two_ranks(data_bin, save, save, flags, env=env)
+    a, b = runs["sync"], runs["deferred"]
+    assert sorted(a) == sorted(b) == [3, 6, 9], (sorted(a), sorted(b))
+    assert all(float(r["clip"]) == 100 for r in b.values())  # the clip was active
+    for u in a:
+        for k in ("loss", "nll_loss", "gnorm", "clip", "lr", "wpb", "bsz", "num_updates"):
+            assert a[u][k] == b[u][k], (u, k, a[u][k], b[u][k])
+    pa = _params(os.path.join(tmp_path, "sync", "checkpoint_last.pt"))
+    pb = _params(os.path.join(tmp_path, "deferred", "checkpoint_last.pt"))
+    for k in pa:
+        torch.testing.assert_close(pb[k], pa[k], rtol=0, atol=0, msg=k)
+
+
+def test_summed_statistics_are_read_back_as_host_numbers():
+    """The all-reduced logging outputs reach fairseq's meters as Python numbers: a device tensor
+    as a meter's weight would make it wait for the GPU (``n > 0``) at every update."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from _models import free_port
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        fake = SimpleNamespace(device=torch.device("cpu"), data_parallel_process_group=None)
+        logs = [{"loss": torch.tensor(2.5), "ntokens": 7, "sample_size": 7, "pair": torch.tensor([1.0, 2.0])},
+                {"loss": torch.tensor(1.5), "ntokens": 5, "sample_size": 5, "pair": torch.tensor([3.0, 4.0])}]
+        stats, buf, summed = LSTrainer._sum_stats_on_device(fake, logs, torch.tensor(12.0), 0, 3.5)
+        assert [float(s) for s in stats] == [12.0, 0.0, 3.5]
+        out = summed.read(buf.tolist())
+        assert len(out) == 1
+        assert out[0]["loss"] == 4.0 and out[0]["ntokens"] == 12 and out[0]["sample_size"] == 12
+        assert all(type(out[0][k]) is float for k in ("loss", "ntokens", "sample_size"))
+        assert out[0]["pair"].tolist() == [4.0, 6.0] and out[0]["pair"].device.type == "cpu"
+        # a dummy batch contributes zeros of the same layout
+        _, buf0, summed0 = LSTrainer._sum_stats_on_device(fake, logs[:1], 0.0, 0, 0.0, ignore=True)
+        zero = summed0.read(buf0.tolist())[0]
+        assert sorted(zero) == ["loss", "ntokens", "pair", "sample_size"]
+        assert zero["loss"] == zero["ntokens"] == zero["sample_size"] == 0.0
+        assert zero["pair"].tolist() == [0.0, 0.0]
+    finally:
+        dist.destroy_process_group()

@@ -37,8 +37,10 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   again and writes that checkpoint a second time (lowered loss scale, one more batch consumed);
   here the first one stays;
 * multi-GPU: the logging statistics and the sample size are summed across ranks in one
-  collective on the GPU (host numbers travel through pinned memory), and the cross-rank
-  gradient-norm check is evaluated when the update is resolved.
+  collective on the GPU (host numbers travel through pinned memory). The sums come back to the
+  host with the update's outcome, so fairseq's meters get host numbers when the update is
+  resolved (with device tensors as weights they would wait for the GPU), and the cross-rank
+  gradient-norm check is evaluated then too.
 
 Other host stalls removed for every optimizer:
 
@@ -198,7 +200,8 @@ def scale_candidates(scaler):
 class _PendingStep:
     """An update whose outcome (gradient norm, the ranks' norms) is still on the device."""
 
-    def __init__(self, status, logging_outputs, sample_size, clip_norm, events=None):
+    def __init__(self, status, logging_outputs, sample_size, clip_norm, events=None, n_status=None):
+        self.n_status = status.numel() if n_status is None else n_status  # the rest: summed statistics
         self.logging_outputs = logging_outputs
         self.sample_size = sample_size
         self.clip_norm = clip_norm
@@ -217,6 +220,25 @@ class _PendingStep:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+
+class _SummedLogs:
+    """Where each summed logging output sits in the all-reduced statistics buffer; ``read`` turns
+    the host copy of that buffer into fairseq's one-element list of logging outputs (Python
+    numbers, or CPU tensors for outputs with more than one element)."""
+
+    def __init__(self, layout):
+        self.layout = layout  # (key, start, shape)
+
+    def read(self, values):
+        out = {}
+        for key, start, shape in self.layout:
+            if shape == ():
+                out[key] = values[start]
+            else:
+                n = math.prod(shape)
+                out[key] = torch.tensor(values[start:start + n], dtype=torch.double).view(shape)
+        return [out]
 
 
 def _on_device(x, dtype, device):
@@ -391,9 +413,10 @@ class LSTrainer(Trainer):
         sample_size = sample_size.float() if torch.is_tensor(sample_size) else float(sample_size)
 
         sync_stats = self._sync_stats()
+        summed = None
         if sync_stats:
             train_time = self._local_cumulative_training_time()
-            logging_outputs, (sample_size, ooms, total_train_time) = self._sum_stats_on_device(
+            (sample_size, ooms, total_train_time), summed, logging_outputs = self._sum_stats_on_device(
                 logging_outputs, sample_size, ooms, train_time, ignore=is_dummy_batch)
             self._cumulative_training_time = total_train_time / world
 
@@ -422,8 +445,11 @@ class LSTrainer(Trainer):
                 if clip > 0:
                     gn = grad_norm.double()
                     factor = factor * torch.where(gn > clip, clip / gn, torch.ones_like(gn))
-            else:  # bf16 wrapper and bare ls_adam: fp32 factor, torch's clip_grad_norm_ coefficient
-                factor = _on_device(factor, torch.float32, raw.device)
+            else:  # bf16 wrapper and bare ls_adam: torch's clip_grad_norm_ coefficient
+                # fairseq's step multiplies by a Python float (fp32 arithmetic with the fp32 norm),
+                # or, with statistics summed across ranks, by a double tensor (double arithmetic)
+                dtype = torch.float64 if torch.is_tensor(sample_size) else torch.float32
+                factor = _on_device(factor, dtype, raw.device)
                 grad_norm = raw * factor
                 if clip > 0:
                     factor = factor * (clip / (grad_norm + 1e-6)).clamp(max=1)
@@ -447,7 +473,11 @@ class LSTrainer(Trainer):
         if timer is not None:
             events.append(timer.mark())
         complete = timer is not None and len(events) == 2 * len(samples) + 1  # no micro-batch lost to OOM
-        pending = _PendingStep(torch.cat(status), logging_outputs, sample_size, clip, events if complete else None)
+        n_status = sum(t.numel() for t in status)
+        if summed is not None:
+            status.append(summed)  # the summed statistics reach the host with the same copy
+        pending = _PendingStep(torch.cat(status), logging_outputs, sample_size, clip, events if complete else None,
+                               n_status=n_status)
         self._ls_pending = pending
         num_updates = self.get_num_updates() + 1
         self.set_num_updates(num_updates)  # provisional until settled
@@ -530,7 +560,9 @@ class LSTrainer(Trainer):
         if pending.events is not None:
             pending.events[-1].synchronize()  # recorded after the Adam step that the read above waited for
             self._ls_timer.settle(pending.events)
-        grad_norm, norms = values[0], values[1:]
+        grad_norm, norms = values[0], values[1:pending.n_status]
+        if isinstance(pending.logging_outputs, _SummedLogs):
+            pending.logging_outputs = pending.logging_outputs.read(values[pending.n_status:])
         ls_adam, scaler = _inner_and_scaler(self.optimizer)
         if not math.isfinite(grad_norm):
             if scaler is None:
@@ -567,7 +599,13 @@ class LSTrainer(Trainer):
 
     def _sum_stats_on_device(self, logging_outputs, *extra_stats, ignore=False):
         """fairseq's _fast_stat_sync_sum without host waits: one all-reduce of a double buffer on the
-        device; host numbers reach it through pinned memory. Results are device tensors."""
+        device; host numbers reach it through pinned memory.
+
+        Returns the summed ``extra_stats`` as device tensors, the summed buffer and a
+        :class:`_SummedLogs` that rebuilds the summed logging outputs from a host copy of that
+        buffer. The logging outputs are read only when the update is settled, from host numbers:
+        as device tensors, fairseq's meters would test their weights (``n > 0``) on the host and
+        wait for the GPU at every update."""
         data = OrderedDict()
         for i, stat in enumerate(extra_stats):
             data["extra_stats_" + str(i)] = stat
@@ -598,16 +636,21 @@ class LSTrainer(Trainer):
         parts += [v.detach().to(torch.double).reshape(-1) for v in dev_vals]
         buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.double, device=self.device)
         distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
-        out, pos = {}, 0
+        layout, pos = [], 0
         for k in host_keys:
-            out[k] = buf[pos]
+            layout.append((k, pos, ()))
             pos += 1
         for k, v in zip(dev_keys, dev_vals):
-            out[k] = buf[pos:pos + v.numel()].view(v.shape)
+            layout.append((k, pos, tuple(v.shape)))
             pos += v.numel()
-        stats = [out["extra_stats_" + str(i)] for i in range(len(extra_stats))]
-        summed = [{k: out["logging_outputs_" + k] for k in log_keys}] if log_keys is not None else []
-        return summed, stats
+        where = {k: (start, shape) for k, start, shape in layout}
+        stats = []
+        for i in range(len(extra_stats)):
+            start, shape = where["extra_stats_" + str(i)]
+            stats.append(buf[start:start + math.prod(shape)].view(shape))
+        logs = _SummedLogs([(k[len("logging_outputs_"):], start, shape) for k, start, shape in layout
+                            if k.startswith("logging_outputs_")]) if log_keys is not None else None
+        return stats, buf, logs
 
     # ------------------------------------------ everything that reads the exact state settles first
     def get_train_iterator(self, *args, **kwargs):
