@@ -193,3 +193,33 @@ def test_summed_statistics_are_read_back_as_host_numbers():
         assert zero["pair"].tolist() == [0.0, 0.0]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks):  # noqa: F811
+    """Inside train_step, neither fairseq's trainer and meters nor LSTrainer read a tensor's value on
+    the host (on a GPU each read waits for the device), apart from the settled update's pinned copy.
+    Two ranks once read the summed statistics' weights in fairseq's meters 8 times per update."""
+    import json
+    import subprocess
+    import sys
+
+    from _models import lightseq_train_two_ranks
+    from test_end_to_end import ROOT, TRAIN_FLAGS
+
+    script = os.path.join(ROOT, "tests", "_host_reads.py")
+    flags = [*TRAIN_FLAGS, "--max-update", "12", "--clip-norm", "0.1", "--log-interval", "2",
+             "--disable-validation", "--no-save"]
+    out = tmp_path / "reads.json"
+    if ranks == 1:
+        res = subprocess.run([sys.executable, script, str(out), data_bin, "--save-dir", str(tmp_path), *flags],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    else:
+        lightseq_train_two_ranks(data_bin, tmp_path, tmp_path, flags,
+                                 runner=lambda r: [sys.executable, script, str(tmp_path / f"reads{r}.json")])
+        out = tmp_path / "reads0.json"
+    counted = json.loads(out.read_text())
+    assert counted["steps"] >= 10
+    assert counted["reads"] == {}

@@ -1,0 +1,69 @@
+"""Run lightseq-train and count the host reads of tensor values (bool, item, tolist, float, int)
+made inside LSTrainer.train_step by fairseq's trainer and meters and by ls_fairseq's trainer.
+On a GPU each of them waits for the device. Used by tests/test_deferred_step.py:
+
+    python tests/_host_reads.py OUT.json <lightseq-train args>
+
+Writes {"steps": n, "reads": {"name file:line": count}}; the first steps (warm-up) are not counted,
+nor the deliberate read of the settled update's pinned copy (_PendingStep.values)."""
+
+import atexit
+import collections
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+WATCHED = (os.sep + os.path.join("fairseq", "logging") + os.sep, os.sep + os.path.join("fairseq", "trainer.py"),
+           os.path.join("ls_fairseq", "fairseq_ext", "trainer.py"))
+
+
+def main():
+    out, argv = sys.argv[1], sys.argv[2:]
+    from ls_fairseq.cli import train
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+
+    counts = collections.Counter()
+    state = {"inside": False, "steps": 0}
+
+    def wrap(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self, *a, **k):
+            if state["inside"] and state["steps"] >= 2:
+                for frame in reversed(traceback.extract_stack(limit=4)[:-1]):
+                    if frame.name == "values":
+                        break  # _PendingStep.values: the settled update's pinned copy
+                    if any(w in frame.filename for w in WATCHED):
+                        counts[f"{name} {os.path.basename(frame.filename)}:{frame.lineno}"] += 1
+                        break
+            return orig(self, *a, **k)
+
+        setattr(torch.Tensor, name, read)
+
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+        wrap(name)
+    step = LSTrainer.train_step
+
+    def train_step(self, samples, raise_oom=False):
+        state["inside"] = True
+        try:
+            return step(self, samples, raise_oom)
+        finally:
+            state["inside"] = False
+            state["steps"] += 1
+
+    LSTrainer.train_step = train_step
+
+    @atexit.register
+    def write():
+        with open(out, "w") as f:
+            json.dump({"steps": max(0, state["steps"] - 2), "reads": dict(counts)}, f)
+
+    train.cli_main(argv)
+
+
+if __name__ == "__main__":
+    main()
