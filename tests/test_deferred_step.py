@@ -196,8 +196,9 @@ def test_summed_statistics_are_read_back_as_host_numbers():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks):  # noqa: F811
+def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks, precision):  # noqa: F811
     """Inside train_step, neither fairseq's trainer and meters nor LSTrainer read a tensor's value on
     the host (on a GPU each read waits for the device), apart from the settled update's pinned copy.
     Two ranks once read the summed statistics' weights in fairseq's meters 8 times per update."""
@@ -209,7 +210,7 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks)
     from test_end_to_end import ROOT, TRAIN_FLAGS
 
     script = os.path.join(ROOT, "tests", "_host_reads.py")
-    flags = [*TRAIN_FLAGS, "--max-update", "12", "--clip-norm", "0.1", "--log-interval", "2",
+    flags = [*TRAIN_FLAGS, *precision, "--max-update", "12", "--clip-norm", "0.1", "--log-interval", "2",
              "--disable-validation", "--no-save"]
     out = tmp_path / "reads.json"
     if ranks == 1:
