@@ -16,15 +16,7 @@ import sys
 import time
 
 from _timeline import covered_time
-
-
-def _pop(argv, name, default):
-    if name in argv:
-        i = argv.index(name)
-        value = argv[i + 1]
-        del argv[i:i + 2]
-        return value
-    return default
+from _trainer_setup import pop_option
 
 
 def report(prof, wall_s, count, top=8):
@@ -66,7 +58,7 @@ def report(prof, wall_s, count, top=8):
 
 def main():
     argv = sys.argv[1:]
-    start, count = (int(x) for x in _pop(argv, "--profile-updates", "120:20").split(":"))
+    start, count = (int(x) for x in pop_option(argv, "--profile-updates", "120:20", str).split(":"))
     import torch
     from torch.profiler import ProfilerActivity, profile
 
