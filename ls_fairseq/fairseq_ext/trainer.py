@@ -69,7 +69,6 @@ import copy
 import logging
 import math
 import os
-from collections import OrderedDict
 from collections.abc import Mapping
 from types import SimpleNamespace
 
@@ -198,10 +197,13 @@ def scale_candidates(scaler):
 
 
 class _PendingStep:
-    """An update whose outcome (gradient norm, the ranks' norms) is still on the device."""
+    """An update whose outcome (gradient norm, the ranks' norms, and with several ranks the summed
+    statistics) is still on the device: ``status`` (double tensors) and ``summed`` (or None) travel
+    to the host in one copy."""
 
-    def __init__(self, status, logging_outputs, sample_size, clip_norm, events=None, n_status=None):
-        self.n_status = status.numel() if n_status is None else n_status  # the rest: summed statistics
+    def __init__(self, status, summed, logging_outputs, sample_size, clip_norm, events=None):
+        self.n_status = sum(t.numel() for t in status)  # the values after them: summed statistics
+        status = torch.cat(status if summed is None else [*status, summed])
         self.logging_outputs = logging_outputs
         self.sample_size = sample_size
         self.clip_norm = clip_norm
@@ -461,7 +463,7 @@ class LSTrainer(Trainer):
                 buf.zero_()
                 buf[self.data_parallel_rank] = grad_norm
                 distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
-                status.append(buf.clone())
+                status.append(buf)  # copied by _PendingStep before the next update reuses it
 
         with torch.autograd.profiler.record_function("optimizer"):
             ls_adam._optimizer._grad_factor = factor  # read by the kernel; not finite: no update
@@ -473,11 +475,7 @@ class LSTrainer(Trainer):
         if timer is not None:
             events.append(timer.mark())
         complete = timer is not None and len(events) == 2 * len(samples) + 1  # no micro-batch lost to OOM
-        n_status = sum(t.numel() for t in status)
-        if summed is not None:
-            status.append(summed)  # the summed statistics reach the host with the same copy
-        pending = _PendingStep(torch.cat(status), logging_outputs, sample_size, clip, events if complete else None,
-                               n_status=n_status)
+        pending = _PendingStep(status, summed, logging_outputs, sample_size, clip, events if complete else None)
         self._ls_pending = pending
         num_updates = self.get_num_updates() + 1
         self.set_num_updates(num_updates)  # provisional until settled
@@ -606,51 +604,39 @@ class LSTrainer(Trainer):
         buffer. The logging outputs are read only when the update is settled, from host numbers:
         as device tensors, fairseq's meters would test their weights (``n > 0``) on the host and
         wait for the GPU at every update."""
-        data = OrderedDict()
-        for i, stat in enumerate(extra_stats):
-            data["extra_stats_" + str(i)] = stat
-        log_keys = None
+        entries = [(True, i, stat) for i, stat in enumerate(extra_stats)]  # (extra stat?, index or key, value)
         if logging_outputs:
-            log_keys = list(logging_outputs[0].keys())
-            for k in log_keys:
+            for k in logging_outputs[0].keys():
                 if not ignore:
                     v = sum(log[k] for log in logging_outputs if k in log)
                 else:
                     v = logging_outputs[0][k]
                     v = torch.zeros_like(v) if torch.is_tensor(v) else 0
-                data["logging_outputs_" + k] = v
-        host_keys, host_vals, dev_keys, dev_vals = [], [], [], []
-        for k, v in data.items():
-            if torch.is_tensor(v) and v.device.type == self.device.type:
-                dev_keys.append(k)
-                dev_vals.append(v)
-            else:
-                host_keys.append(k)
-                host_vals.append(float(v))
+                entries.append((False, k, v))
+
+        def on_device(v):
+            return torch.is_tensor(v) and v.device.type == self.device.type
+
+        host = [e for e in entries if not on_device(e[2])]
+        dev = [e for e in entries if on_device(e[2])]
         parts = []
-        if host_vals:
-            host = torch.tensor(host_vals, dtype=torch.double)
+        if host:
+            host_vals = torch.tensor([float(v) for _, _, v in host], dtype=torch.double)
             if self.device.type == "cuda":
-                host = host.pin_memory().to(self.device, non_blocking=True)
-            parts.append(host)
-        parts += [v.detach().to(torch.double).reshape(-1) for v in dev_vals]
+                host_vals = host_vals.pin_memory().to(self.device, non_blocking=True)
+            parts.append(host_vals)
+        parts += [v.detach().to(torch.double).reshape(-1) for _, _, v in dev]
         buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.double, device=self.device)
         distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
-        layout, pos = [], 0
-        for k in host_keys:
-            layout.append((k, pos, ()))
-            pos += 1
-        for k, v in zip(dev_keys, dev_vals):
-            layout.append((k, pos, tuple(v.shape)))
-            pos += v.numel()
-        where = {k: (start, shape) for k, start, shape in layout}
-        stats = []
-        for i in range(len(extra_stats)):
-            start, shape = where["extra_stats_" + str(i)]
-            stats.append(buf[start:start + math.prod(shape)].view(shape))
-        logs = _SummedLogs([(k[len("logging_outputs_"):], start, shape) for k, start, shape in layout
-                            if k.startswith("logging_outputs_")]) if log_keys is not None else None
-        return stats, buf, logs
+        stats, layout, pos = [None] * len(extra_stats), [], 0
+        for is_stat, key, v in host + dev:  # the order of buf
+            shape = tuple(v.shape) if on_device(v) else ()
+            if is_stat:
+                stats[key] = buf[pos:pos + math.prod(shape)].view(shape)
+            else:
+                layout.append((key, pos, shape))
+            pos += math.prod(shape)
+        return stats, buf, (_SummedLogs(layout) if logging_outputs else None)
 
     # ------------------------------------------ everything that reads the exact state settles first
     def get_train_iterator(self, *args, **kwargs):
