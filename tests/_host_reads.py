@@ -1,6 +1,6 @@
 """Run lightseq-train and count the host reads of tensor values (bool, item, tolist, float, int)
 made inside LSTrainer.train_step by fairseq's trainer and meters and by ls_fairseq's trainer.
-On a GPU each of them waits for the device. Used by tests/test_deferred_step.py:
+On a GPU each read of a GPU tensor waits for the device; on a --cpu run every tensor is counted. Used by tests/test_deferred_step.py:
 
     python tests/_host_reads.py OUT.json <lightseq-train args>
 
@@ -22,9 +22,12 @@ WATCHED = (os.sep + os.path.join("fairseq", "logging") + os.sep, os.sep + os.pat
 
 def main():
     out, argv = sys.argv[1], sys.argv[2:]
+    # run as a script, this file's folder is first on sys.path: put the checkout there too
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from ls_fairseq.cli import train
     from ls_fairseq.fairseq_ext.trainer import LSTrainer
 
+    on_cpu = "--cpu" in argv
     counts = collections.Counter()
     state = {"inside": False, "steps": 0}
 
@@ -32,7 +35,9 @@ def main():
         orig = getattr(torch.Tensor, name)
 
         def read(self, *a, **k):
-            if state["inside"] and state["steps"] >= 2:
+            # on a GPU run only a GPU tensor's read waits for the device (the batch's host copy is
+            # read on purpose); on a --cpu run every tensor stands for one that would be on the GPU
+            if state["inside"] and state["steps"] >= 2 and (self.is_cuda or on_cpu):
                 for frame in reversed(traceback.extract_stack(limit=4)[:-1]):
                     if frame.name == "values":
                         break  # _PendingStep.values: the settled update's pinned copy

@@ -89,11 +89,13 @@ def two_rank_results(worker, out_dir):
     return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt")) for r in (0, 1)]
 
 
-def lightseq_train_two_ranks(data, save_dir, log_dir, flags, env=None, timeout: int = 300, runner=None):
-    """lightseq-train as two gloo processes (ranks 0 and 1, --distributed-no-spawn) on the CPU.
-    Returns rank 0's train_inner records by update (``--log-format json`` in ``flags``); raises
-    with the log's tail when a rank fails. ``runner(rank)``: the command before lightseq-train's
-    arguments (default ``python -m ls_fairseq.cli.train``)."""
+def lightseq_train_two_ranks(data, save_dir, log_dir, flags, env=None, timeout: int = 300, runner=None,
+                             backend: str = "gloo"):
+    """lightseq-train as two processes (ranks 0 and 1, --distributed-no-spawn): gloo on the CPU, or
+    ``backend="nccl"`` with rank r on GPU r (``--device-id``). Returns rank 0's train_inner records
+    by update (``--log-format json`` in ``flags``); raises with the log's tail when a rank fails.
+    ``runner(rank)``: the command before lightseq-train's arguments (default
+    ``python -m ls_fairseq.cli.train``)."""
     import json
     import os
     import subprocess
@@ -106,8 +108,10 @@ def lightseq_train_two_ranks(data, save_dir, log_dir, flags, env=None, timeout: 
     for rank in (0, 1):
         prefix = runner(rank) if runner is not None else [sys.executable, "-m", "ls_fairseq.cli.train"]
         cmd = [*prefix, data, "--save-dir", str(save_dir), *flags,
-               "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-backend", "gloo",
+               "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-backend", backend,
                "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-no-spawn"]
+        if backend == "nccl":
+            cmd += ["--device-id", str(rank)]
         log = open(os.path.join(str(log_dir), f"rank{rank}.log"), "w")
         logs.append(log)
         procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT))

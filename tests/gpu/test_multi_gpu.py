@@ -1,0 +1,82 @@
+"""lightseq-train on GPUs: on two through NCCL (skipped with fewer) the update takes the same steps
+as one GPU with --update-freq 2; on one and on two, train_step reads no tensor value on the host
+(each read stalls the GPU; with two ranks fairseq's meters once did so 8 times per update)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._models import lightseq_train_two_ranks
+from tests.test_end_to_end import ROOT, TRAIN_FLAGS, _params, data_bin  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.gpu
+
+GPU_FLAGS = [f for f in TRAIN_FLAGS if f != "--cpu"]
+
+
+def _need_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+
+
+def _one_gpu(data, save_dir, flags, runner=None):
+    """lightseq-train as one process on GPU 0; its train_inner records by update."""
+    prefix = runner or [sys.executable, "-m", "ls_fairseq.cli.train"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
+    res = subprocess.run([*prefix, data, "--save-dir", str(save_dir), *flags], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    records = {}
+    for line in res.stdout.splitlines():
+        if "| train_inner |" in line:
+            rec = json.loads(line.split("| train_inner | ", 1)[1])
+            records[int(rec["num_updates"])] = rec
+    return records
+
+
+@pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
+def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_path, precision):  # noqa: F811
+    from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
+
+    _need_two_gpus()
+    patch_checkpoint_loading()  # fairseq's checkpoint reader under torch >= 2.6, as lightseq-train does
+    flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
+             "--grouped-shuffling"]
+    two_dir, one_dir = tmp_path / "two", tmp_path / "one"
+    two_dir.mkdir()
+    two = lightseq_train_two_ranks(data_bin, two_dir, two_dir, flags, backend="nccl")
+    one = _one_gpu(data_bin, one_dir, [*flags, "--update-freq", "2"])
+    assert sorted(one) == sorted(two) == list(range(1, 11))
+    for u in one:
+        for k in ("wpb", "bsz"):
+            assert one[u][k] == two[u][k], (u, k)
+        for k in ("loss", "nll_loss", "gnorm"):
+            assert float(one[u][k]) == pytest.approx(float(two[u][k]), rel=3e-3, abs=3e-3), (u, k, one[u], two[u])
+    p1 = _params(os.path.join(one_dir, "checkpoint_last.pt"))
+    p2 = _params(os.path.join(two_dir, "checkpoint_last.pt"))
+    for k in p1:
+        if k.endswith("k_proj.bias"):
+            continue  # no effect on the softmax: its gradient is rounding noise that Adam scales up
+        torch.testing.assert_close(p2[k].float(), p1[k].float(), rtol=2e-3, atol=2e-3, msg=k)
+
+
+@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, precision):  # noqa: F811
+    script = os.path.join(ROOT, "tests", "_host_reads.py")
+    flags = [*GPU_FLAGS, *precision, "--max-update", "12", "--clip-norm", "0.1", "--log-interval", "2",
+             "--disable-validation", "--no-save"]
+    runner = lambda r: [sys.executable, script, str(tmp_path / f"reads{r}.json")]  # noqa: E731
+    if gpus == 1:
+        _one_gpu(data_bin, tmp_path, flags, runner=runner(0))
+    else:
+        _need_two_gpus()
+        lightseq_train_two_ranks(data_bin, tmp_path, tmp_path, flags, backend="nccl", runner=runner)
+    for r in range(gpus):
+        counted = json.loads((tmp_path / f"reads{r}.json").read_text())
+        assert counted["steps"] >= 10, (r, counted)
+        assert counted["reads"] == {}, (r, counted)
