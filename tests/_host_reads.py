@@ -1,6 +1,7 @@
 """Run lightseq-train and count the host reads of tensor values (bool, item, tolist, float, int)
 made inside LSTrainer.train_step by fairseq's trainer and meters and by ls_fairseq's trainer.
-On a GPU each read of a GPU tensor waits for the device; on a --cpu run every tensor is counted. Used by tests/test_deferred_step.py:
+On a GPU each read of a GPU tensor waits for the device; on a --cpu run every tensor is counted.
+Used by tests/test_deferred_step.py and tests/gpu/test_multi_gpu.py:
 
     python tests/_host_reads.py OUT.json <lightseq-train args>
 

@@ -96,7 +96,6 @@ def lightseq_train_two_ranks(data, save_dir, log_dir, flags, env=None, timeout: 
     by update (``--log-format json`` in ``flags``); raises with the log's tail when a rank fails.
     ``runner(rank)``: the command before lightseq-train's arguments (default
     ``python -m ls_fairseq.cli.train``)."""
-    import json
     import os
     import subprocess
     import sys
@@ -126,6 +125,13 @@ def lightseq_train_two_ranks(data, save_dir, log_dir, flags, env=None, timeout: 
     text = open(os.path.join(str(log_dir), "rank0.log")).read()
     if codes != [0, 0]:
         raise AssertionError(f"two-rank lightseq-train exited with {codes}:\n{text[-4000:]}")
+    return train_inner_records(text)
+
+
+def train_inner_records(text: str):
+    """The train_inner records of a ``--log-format json`` training log, by update."""
+    import json
+
     records = {}
     for line in text.splitlines():
         if "| train_inner |" in line:

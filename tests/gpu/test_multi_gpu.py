@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests._models import lightseq_train_two_ranks
+from tests._models import lightseq_train_two_ranks, train_inner_records
 from tests.test_end_to_end import ROOT, TRAIN_FLAGS, _params, data_bin  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.gpu
@@ -30,12 +30,7 @@ def _one_gpu(data, save_dir, flags, runner=None):
     res = subprocess.run([*prefix, data, "--save-dir", str(save_dir), *flags], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    records = {}
-    for line in res.stdout.splitlines():
-        if "| train_inner |" in line:
-            rec = json.loads(line.split("| train_inner | ", 1)[1])
-            records[int(rec["num_updates"])] = rec
-    return records
+    return train_inner_records(res.stdout)
 
 
 @pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
