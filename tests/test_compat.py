@@ -11,8 +11,6 @@ import torch.distributed as dist
 from _models import spawn_two_ranks
 
 
-
-
 def _worker(rank, port, result_dir):
     import ls_fairseq.fairseq_ext  # noqa: F401  (what --user-dir does in each fairseq worker)
     from fairseq.distributed import utils as distributed_utils

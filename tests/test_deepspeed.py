@@ -5,7 +5,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install
 from omegaconf import OmegaConf  # noqa: E402
 
 from ls_fairseq.cli import deepspeed_train  # noqa: E402
-from tests._models import binarize, run_checked  # noqa: E402
+from tests._models import binarize, free_port, run_checked  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "configs", "deepspeed", "ds_cpu_fp32.json")
@@ -69,12 +68,6 @@ def _inner(out, key):
 
 def _valid_losses(out):
     return [float(x) for x in re.findall(r"valid on 'valid' subset \| loss ([0-9.e+-]+)", out)]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +140,7 @@ def test_same_updates_as_lightseq_train(data_bin, tmp_path):
 def test_launcher_trains_resumes_and_generates(data_bin, tmp_path):
     assert shutil.which("deepspeed"), "the deepspeed launcher must be on PATH"
     save = str(tmp_path / "ckpt")
-    launch = ["deepspeed", "--num_gpus", "1", "--master_port", str(_free_port()), "--module",
+    launch = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), "--module",
               "ls_fairseq.cli.deepspeed_train"]
     out = _run([*launch, *_train_args(data_bin, save, 8), "--deepspeed_config", CPU_CONFIG], tmp_path)
     assert "DeepSpeed engine on cpu" in out and "ZeRO stage 0" in out

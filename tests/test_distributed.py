@@ -8,8 +8,6 @@ import torch.distributed as dist
 from _models import two_rank_results
 
 
-
-
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))

@@ -4,13 +4,12 @@ as one GPU with --update-freq 2; on one and on two, train_step reads no tensor v
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests._models import lightseq_train_two_ranks, train_inner_records
+from tests._models import lightseq_train_two_ranks, run_checked, train_inner_records
 from tests.test_end_to_end import ROOT, TRAIN_FLAGS, _params, data_bin  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.gpu
@@ -27,10 +26,8 @@ def _one_gpu(data, save_dir, flags, runner=None):
     """lightseq-train as one process on GPU 0; its train_inner records by update."""
     prefix = runner or [sys.executable, "-m", "ls_fairseq.cli.train"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
-    res = subprocess.run([*prefix, data, "--save-dir", str(save_dir), *flags], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    return train_inner_records(res.stdout)
+    out = run_checked([*prefix, data, "--save-dir", str(save_dir), *flags], ROOT, env, timeout=300)
+    return train_inner_records(out)
 
 
 @pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
