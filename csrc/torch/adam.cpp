@@ -3,6 +3,16 @@
 
 namespace ls_torch {
 
+// The kernel reads an optional fp32 scalar on param's device: its pointer, or nullptr when absent.
+static const float* device_scalar(const char* op, const char* name, const OptTensor& t, const Tensor& param) {
+  if (!present(t)) return nullptr;
+  LS_CHECK(t->is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t->device());
+  LS_CHECK(t->device() == param.device(), op, ": param and ", name, " are on different devices");
+  LS_CHECK(t->scalar_type() == at::kFloat, op, ": ", name, " must be ", at::kFloat, ", got ", t->scalar_type());
+  LS_CHECK(t->numel() == 1, op, ": ", name, " must be a scalar tensor");
+  return t->data_ptr<float>();  // one element: contiguous
+}
+
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
                int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite,
@@ -26,21 +36,8 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
     LS_CHECK(param_lp->numel() == n, op, ": param_lp has ", param_lp->numel(), " elements, param has ", n);
     ldt = to_dtype(op, *param_lp);
   }
-  const float* norm = nullptr;
-  if (present(skip_if_nonfinite)) {
-    LS_CHECK_INPUT(op, *skip_if_nonfinite);
-    LS_CHECK_DTYPE(op, *skip_if_nonfinite, at::kFloat);
-    LS_CHECK(skip_if_nonfinite->numel() == 1, op, ": skip_if_nonfinite must be a scalar tensor");
-    norm = skip_if_nonfinite->data_ptr<float>();
-  }
-  const float* scale_dev = nullptr;
-  if (present(grad_scale_tensor)) {
-    LS_CHECK_INPUT(op, *grad_scale_tensor);
-    LS_CHECK_SAME_DEVICE(op, param, *grad_scale_tensor);
-    LS_CHECK_DTYPE(op, *grad_scale_tensor, at::kFloat);
-    LS_CHECK(grad_scale_tensor->numel() == 1, op, ": grad_scale_tensor must be a scalar tensor");
-    scale_dev = grad_scale_tensor->data_ptr<float>();
-  }
+  const float* norm = device_scalar(op, "skip_if_nonfinite", skip_if_nonfinite, param);
+  const float* scale_dev = device_scalar(op, "grad_scale_tensor", grad_scale_tensor, param);
   c10::cuda::CUDAGuard guard(param.device());
   ls::AdamArgs a{(float)lr, (float)beta1, (float)beta2, (float)eps, (float)weight_decay, (float)grad_scale, step,
                  torch_mode};

@@ -4,9 +4,9 @@ In a multi-GPU run every update waits for the slowest rank. fairseq builds its b
 sentences sorted by length, so at the same --max-tokens a batch of long sentences can cost more
 GPU time than one of short sentences, and the random shuffle puts unrelated batches on the
 ranks of an update. On two H200s (benchmarks/RESULTS.md, "Multi-GPU") grouping the updates
-changed the throughput by +0.5% at 8192 and +1.0% at 16384 tokens per GPU: a step there is
-bound by the host about as much as by the GPU, so a rank with a cheaper batch mostly waits for
-its own host anyway. It is therefore an option, not a default. Its other use: with it, one GPU
+changed the throughput by +0.5% at 8192 and +1.0% at 16384 tokens per GPU: most of what a
+2-GPU update costs over one GPU's is the gradient all-reduce, not a wait for the rank with the
+costlier batch. It is therefore an option, not a default. Its other use: with it, one GPU
 reproduces the updates of several.
 
 fairseq's ``--grouped-shuffling`` shuffles groups of ``num_shards`` consecutive batches of the

@@ -194,7 +194,8 @@ def _backends(short: bool):
     if _FAST_BACKENDS is not None:
         return _FAST_BACKENDS[1] if short else _FAST_BACKENDS[0]
     backends, set_priority = _choice(short)
-    return sdpa_kernel(backends, set_priority=set_priority)
+    # set_priority is True only where sdpa_kernel has the parameter (_HAS_PRIORITY)
+    return sdpa_kernel(backends, set_priority=True) if set_priority else sdpa_kernel(backends)
 
 
 class _SplitFn(torch.autograd.Function):
