@@ -138,3 +138,19 @@ def train_inner_records(text: str):
             rec = json.loads(line.split("| train_inner | ", 1)[1])
             records[int(rec["num_updates"])] = rec
     return records
+
+
+def load_checkpoint(path: str):
+    """A fairseq checkpoint on the CPU, read as lightseq-train reads it (torch >= 2.6 included)."""
+    from fairseq import checkpoint_utils
+
+    from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
+
+    patch_checkpoint_loading()
+    return checkpoint_utils.load_checkpoint_to_cpu(path)
+
+
+def checkpoint_optimizer_tensors(state) -> dict:
+    """{(parameter index, key): tensor} of a checkpoint's optimizer state."""
+    opt = state["last_optimizer_state"]["state"]
+    return {(i, k): v for i, entry in opt.items() for k, v in entry.items() if torch.is_tensor(v)}

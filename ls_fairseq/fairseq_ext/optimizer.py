@@ -14,6 +14,13 @@ It works under every fairseq precision mode:
   wrapper's multiply_grads / clip factor is folded into the update, and
   :meth:`clip_grad_norm` returns the (possibly non-finite) gradient norm, which is what the
   wrapper's overflow check reads.
+
+Sharded state. On several GPUs, once :meth:`LSFairseqAdam.request_sharding` was called (the
+deferred step of ``lightseq-train`` does; ``LS_FAIRSEQ_SHARD_ADAM=0`` keeps the whole state on
+every rank), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
+only its own part of the state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`).
+Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before
+saving, so they load on any number of GPUs.
 """
 
 import ast
@@ -71,6 +78,7 @@ class LSFairseqAdam(FairseqOptimizer):
     def __init__(self, cfg: LSAdamConfig, params):
         super().__init__(cfg)
         self._optimizer = LSAdam(params, **self.optimizer_config)
+        self._shard_requested = False
         ws = self._optimizer.workspaces
         logger.info(
             "ls_adam: %d parameters in %s",
@@ -97,6 +105,17 @@ class LSFairseqAdam(FairseqOptimizer):
 
     def step(self, closure=None, scale=1.0, groups=None):
         self._optimizer.step(closure, scale=scale)
+
+    def request_sharding(self, on: bool = True):
+        """Shard the optimizer state over the data-parallel ranks whenever the gradients are
+        reduced from the backward pass in buckets that split evenly (from the update that installs
+        the overlapped reduction on). The caller must consolidate on every rank before it reads the
+        state (fairseq's ``Trainer.consolidate_optimizer``)."""
+        self._shard_requested = bool(on)
+
+    @property
+    def sharded(self) -> bool:
+        return self._optimizer.sharded
 
     def zero_grad(self):
         if self.__dict__.get("_reducer") is not None:
@@ -127,13 +146,29 @@ class LSFairseqAdam(FairseqOptimizer):
             group = ddp.process_group
             self._optimizer.all_reduce_grads_(ddp.world_size, lambda t: distributed_utils.all_reduce(t, group))
             if reducer is None and self._overlap_applies(ddp):
-                from ls_fairseq.optim.overlap import OverlappedReducer
-
-                self._reducer = OverlappedReducer(
-                    self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=self._bucket_bytes()
-                )
+                self._install_reducer(ddp, group)
             return
         super().all_reduce_grads(module)
+
+    def _install_reducer(self, ddp, group):
+        from ls_fairseq.optim.overlap import OverlappedReducer, bucket_order, shardable
+
+        bucket_bytes = self._bucket_bytes()
+        shard = self._shard_requested
+        if shard and not shardable(bucket_order(self._optimizer.workspaces, bucket_bytes), ddp.world_size):
+            logger.info("ls_adam: optimizer state not sharded: the gradient buckets do not split into %d equal "
+                        "parts (a world size that is a power of two does)", ddp.world_size)
+            shard = False
+        self._reducer = reducer = OverlappedReducer(
+            self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=bucket_bytes, shard=shard)
+        if shard:
+            # the gradients of this update were all-reduced whole: the step may already be sharded
+            self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group)
+            logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, then an "
+                        "all-gather of the weights)", ddp.world_size, ddp.world_size)
+
+    def consolidate_state_dict(self):
+        self._optimizer.consolidate_state_dict()
 
     def _flat_all_reduce_applies(self, ddp) -> bool:
         """Whether ``ddp``'s trainable parameters all live in our flat workspace (on one device,
@@ -170,6 +205,8 @@ class LSFairseqAdam(FairseqOptimizer):
         reducer = self.__dict__.pop("_reducer", None)
         if reducer is not None:
             reducer.remove()
+        if self._optimizer.sharded:  # every rank drops its reducer at the same update: collective is safe
+            self._optimizer.unshard_()
 
     def _bucket_bytes(self) -> int:
         """fairseq's ``--bucket-cap-mb`` (25 when this optimizer is built outside fairseq's config)."""

@@ -40,7 +40,12 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   collective on the GPU (host numbers travel through pinned memory). The sums come back to the
   host with the update's outcome, so fairseq's meters get host numbers when the update is
   resolved (with device tensors as weights they would wait for the GPU), and the cross-rank
-  gradient-norm check is evaluated then too.
+  gradient-norm check is evaluated then too;
+* multi-GPU: ls_adam keeps its state sharded over the ranks (:mod:`ls_fairseq.optim.adam`): the
+  gradients are reduce-scattered during the backward, each rank runs Adam on its own part and the
+  weights are all-gathered. The gradient norm is then one all-reduced number, the same on every
+  rank by construction, so fairseq's cross-rank norm check is not needed. Checkpoints still hold
+  the whole state. ``LS_FAIRSEQ_SHARD_ADAM=0`` keeps the whole state on every rank.
 
 Other host stalls removed for every optimizer:
 
@@ -94,6 +99,10 @@ SRC_PADDING_KEY = "src_has_padding"  # net_input entry the ls_transformer encode
 
 def plain_trainer_requested() -> bool:
     return os.environ.get("LS_FAIRSEQ_PLAIN_TRAINER") == "1"
+
+
+def shard_adam_requested() -> bool:
+    return os.environ.get("LS_FAIRSEQ_SHARD_ADAM", "1") != "0"
 
 
 def sync_step_requested() -> bool:
@@ -347,6 +356,8 @@ class LSTrainer(Trainer):
             reason = "the criterion's logging outputs cannot be summed across ranks"
         ok = reason is None
         self._ls_deferred = (opt, ok)
+        if ok and self.data_parallel_world_size > 1 and shard_adam_requested():
+            inner.request_sharding()
         if ok:
             logger.info("LSTrainer: deferred step (the loss scale, clipping and the overflow test stay on "
                         "the GPU; each update is settled during the next one)")
@@ -406,8 +417,7 @@ class LSTrainer(Trainer):
                     return None
             except Exception:
                 self._ls_resolve_quietly()
-                self.consolidate_optimizer()
-                self.save_checkpoint(os.path.join(self.cfg.checkpoint.save_dir, "crash.pt"), {})
+                self._save_crash_checkpoint(ls_adam)
                 raise
 
         if is_dummy_batch:
@@ -458,7 +468,7 @@ class LSTrainer(Trainer):
             finite = torch.isfinite(grad_norm)
             factor = torch.where(finite, factor, torch.full_like(factor, float("nan")))
             status = [grad_norm.double().reshape(1)]
-            if self._grad_norm_buf is not None:  # fairseq's cross-rank check, read when settled
+            if self._grad_norm_buf is not None and not ls_adam.sharded:  # fairseq's cross-rank check, read when settled
                 buf = self._grad_norm_buf
                 buf.zero_()
                 buf[self.data_parallel_rank] = grad_norm
@@ -496,6 +506,25 @@ class LSTrainer(Trainer):
             self._ls_resolve()
         metrics.log_stop_time("train_wall")
         return out
+
+    def _save_crash_checkpoint(self, ls_adam):
+        """fairseq's crash.pt after an exception in the forward or backward. Only this rank may have
+        failed, so nothing collective runs here: with sharded optimizer state the checkpoint holds
+        the model without the optimizer state (a run resumed from it starts Adam afresh)."""
+        path = os.path.join(self.cfg.checkpoint.save_dir, "crash.pt")
+        if not ls_adam.sharded:
+            self.consolidate_optimizer()
+            self.save_checkpoint(path, {})
+            return
+        logger.warning("saving %s without the optimizer state: it is sharded across the ranks and gathering it "
+                       "needs every rank", path)
+        ckpt = self.cfg.checkpoint
+        kept = ckpt.no_save_optimizer_state
+        try:
+            ckpt.no_save_optimizer_state = True
+            self.save_checkpoint(path, {})
+        finally:
+            ckpt.no_save_optimizer_state = kept
 
     def _step_timer(self):
         if "_ls_timer" not in self.__dict__:

@@ -19,6 +19,16 @@ gradients or parameters replaced between the two are not seen by that step.
 Every parameter is updated at every step (a parameter that received no gradient sees a
 zero gradient, as under fairseq's flat ``--fp16`` optimizer); the step count is per group.
 
+Sharded state (:meth:`LSAdam.shard_`, data-parallel training). Rank r of W owns part r of
+every all-reduce bucket of the flat buffers. The gradients arrive reduce-scattered: only the
+owned parts hold the average. :meth:`grad_norm` sums the squares of the owned parts and
+all-reduces that one number; :meth:`step` runs Adam on the owned parts, then all-gathers the
+weights each bucket at a time (the fp16 / bf16 copy, or the fp32 weights themselves), so every
+rank ends the step with all the new weights while it read and wrote only 1/W of the optimizer
+state. The other parts of the master weights and moments go stale on this rank.
+:meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
+a checkpoint) all-gathers them; :meth:`state_dict` refuses to return stale state.
+
 State dict. Standard layout: ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
 "param_groups": [...]}`` with one entry per parameter (tensors are views of the flat
 buffers; ``torch.save`` stores each buffer once). ``master`` is present for fp16 / bf16
@@ -26,9 +36,10 @@ parameters, so a checkpoint resumes exactly even when it holds only low-precisio
 """
 
 import logging
-from typing import List
+from typing import Dict, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ls_fairseq.ops import adam_, grad_norm as flat_grad_norm
 from ls_fairseq.ops.adam import MODES
@@ -75,6 +86,8 @@ class LSAdam(torch.optim.Optimizer):
         self._workspaces: List[FlatWorkspace] = []
         self._steps: List[int] = []
         self._grad_factor = 1.0
+        self._shard = None   # _Shard while the state is sharded across data-parallel ranks
+        self._stale = False  # the parts other ranks own are out of date here (consolidate first)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, mode=mode)
         super().__init__(groups, defaults)
 
@@ -95,17 +108,29 @@ class LSAdam(torch.optim.Optimizer):
         self._grad_factor = self._grad_factor * c
 
     def grad_norm(self):
-        """L2 norm of all gradients (pending factor included), fp32 0-dim tensor; inf/NaN propagate."""
+        """L2 norm of all gradients (pending factor included), fp32 0-dim tensor; inf/NaN propagate.
+
+        Sharded: the norm of every rank's owned parts, combined by one all-reduce (collective)."""
         norms = []
+        shard = self._shard
         for ws in self._workspaces:
             ws.sync()
-            norms.extend(flat_grad_norm(buf.grad) for buf in ws.buffers)
+            for buf in ws.buffers:
+                parts = shard.parts.get(id(buf)) if shard is not None else None
+                if parts is None:
+                    norms.append(flat_grad_norm(buf.grad))
+                else:
+                    norms.extend(flat_grad_norm(buf.grad[lo:hi]) for _, _, lo, hi in parts)
         self._synced = True  # the next step() reads the buffers as this norm saw them
-        if len(norms) == 1:
+        if len(norms) == 1 and shard is None:
             total = norms[0]
         else:
             dev = norms[0].device
             total = torch.stack([n.to(dev) for n in norms]).norm(2)
+            if shard is not None:
+                squares = total * total
+                dist.all_reduce(squares, group=shard.group)
+                total = squares.sqrt()
         f = self._grad_factor
         if torch.is_tensor(f) or f != 1.0:
             total = total * (f.abs() if torch.is_tensor(f) else abs(f))
@@ -156,14 +181,25 @@ class LSAdam(torch.optim.Optimizer):
                 ws.sync()
             self._steps[gi] += 1
             beta1, beta2 = group["betas"]
+            works = []
             for buf in ws.buffers:
-                adam_(
-                    buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq,
-                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=self._steps[gi], grad_scale=grad_scale,
-                    param_lp=buf.param_lp, mode=group["mode"],
-                    grad_scale_tensor=None if factor is None else factor.to(buf.master.device),
-                )
+                kw = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"], step=self._steps[gi], grad_scale=grad_scale,
+                          mode=group["mode"], grad_scale_tensor=None if factor is None else factor.to(buf.master.device))
+                parts = self._shard.parts.get(id(buf)) if self._shard is not None else None
+                if parts is None:
+                    adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=buf.param_lp, **kw)
+                    continue
+                lp = buf.param_lp
+                for start, end, lo, hi in parts:
+                    adam_(buf.master[lo:hi], buf.grad[lo:hi], buf.exp_avg[lo:hi], buf.exp_avg_sq[lo:hi],
+                          param_lp=None if lp is None else lp[lo:hi], **kw)
+                    # the new weights of this bucket go out while Adam runs on the next one
+                    works.append(dist.all_gather_into_tensor(buf.param[start:end], buf.param[lo:hi],
+                                                             group=self._shard.group, async_op=True))
+                self._stale = True
+            for w in works:
+                w.wait()  # NCCL: the current stream waits; the host does not
             ws.mark_params_written()
         self._grad_factor = 1.0
         return loss
@@ -190,8 +226,70 @@ class LSAdam(torch.optim.Optimizer):
         count, as if that step had never been taken."""
         self._steps = [max(0, s - 1) for s in self._steps]
 
+    # ------------------------------------------------------------ sharding
+    @property
+    def sharded(self) -> bool:
+        return self._shard is not None
+
+    def shard_(self, buckets: Sequence, rank: int, world_size: int, group=None) -> None:
+        """Keep the optimizer state sharded over ``world_size`` data-parallel ranks from the next
+        :meth:`step` on: this rank owns part ``rank`` of every bucket (``bucket.own(rank,
+        world_size)``, see :class:`~ls_fairseq.optim.overlap.Bucket`). The buckets must tile every
+        flat buffer exactly; the gradients handed to the following steps must hold the average at
+        least in the owned parts (a reduce-scatter of these buckets, or a full all-reduce)."""
+        if world_size < 2 or not 0 <= rank < world_size:
+            raise ValueError(f"ls_adam: cannot shard over world size {world_size} as rank {rank}")
+        if self._shard is not None:
+            self.unshard_()
+        parts: Dict[int, List[Tuple[int, int, int, int]]] = {}
+        for bk in buckets:
+            lo, hi = bk.own(rank, world_size)
+            parts.setdefault(id(bk.buffer), []).append((bk.start, bk.end, lo, hi))
+        buffers = {id(buf): buf for ws in self._workspaces for buf in ws.buffers}
+        if set(parts) != set(buffers):
+            raise ValueError("ls_adam: the shard buckets do not cover exactly this optimizer's flat buffers")
+        for key, ranges in parts.items():
+            covered = sorted((s, e) for s, e, _, _ in ranges)
+            ends = [0] + [e for _, e in covered]
+            if [s for s, _ in covered] != ends[:-1] or ends[-1] != buffers[key].numel:
+                raise ValueError("ls_adam: the shard buckets do not tile a flat buffer exactly")
+            for s, e, lo, hi in ranges:
+                if (e - s) != world_size * (hi - lo):
+                    raise ValueError(f"ls_adam: bucket [{s}, {e}) does not split into {world_size} equal parts")
+        self._shard = _Shard(rank, world_size, group, parts)
+
+    @torch.no_grad()
+    def consolidate_state_dict(self) -> None:
+        """Collective (every rank of the shard group calls it): all-gather the master weights and
+        moments that other ranks own, so that :meth:`state_dict` is complete on every rank. A no-op
+        when nothing is stale."""
+        if self._shard is None or not self._stale:
+            return
+        works = []
+        for ws in self._workspaces:
+            ws.sync()
+            for buf in ws.buffers:
+                kinds = [buf.exp_avg, buf.exp_avg_sq] + ([buf.master] if buf.has_separate_master else [])
+                for start, end, lo, hi in self._shard.parts.get(id(buf), ()):
+                    for t in kinds:
+                        works.append(dist.all_gather_into_tensor(t[start:end], t[lo:hi], group=self._shard.group,
+                                                                 async_op=True))
+        for w in works:
+            w.wait()
+        self._stale = False
+
+    def unshard_(self) -> None:
+        """Collective: consolidate, then keep the whole state on every rank again."""
+        self.consolidate_state_dict()
+        self._shard = None
+
     # ----------------------------------------------------------- state dict
     def state_dict(self):
+        if self._stale:
+            raise RuntimeError(
+                "ls_adam: the optimizer state is sharded across the data-parallel ranks and this rank holds "
+                "only its own part; call consolidate_state_dict() on every rank first (fairseq's "
+                "Trainer.consolidate_optimizer(), which checkpoint saving runs)")
         state, groups, idx = {}, [], 0
         for gi, (group, ws) in enumerate(zip(self.param_groups, self._workspaces)):
             ws.sync()
@@ -260,7 +358,17 @@ class LSAdam(torch.optim.Optimizer):
             ws.mark_params_written()
         self._grad_factor = 1.0
         self._synced = False
+        self._stale = False  # every rank loaded the whole state
 
     @property
     def steps(self) -> List[int]:
         return list(self._steps)
+
+
+class _Shard:
+    """Where this rank's parts lie: ``parts[id(buffer)]`` = [(start, end, lo, hi)] per bucket."""
+
+    __slots__ = ("rank", "world_size", "group", "parts")
+
+    def __init__(self, rank, world_size, group, parts):
+        self.rank, self.world_size, self.group, self.parts = rank, world_size, group, parts

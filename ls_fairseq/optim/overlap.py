@@ -28,6 +28,12 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   one rank and not on another, even when a parameter got a gradient on one rank only.
 * :meth:`OverlappedReducer.finish` (after the backward) waits for the round's collectives.
   On NCCL ``work.wait()`` makes the current CUDA stream wait; the host never blocks.
+* Sharded optimizer state (``shard=True``). Each bucket is split into ``world_size`` equal
+  parts and rank r owns part r (:attr:`Bucket.own`). The bucket then goes out as a
+  ``reduce_scatter(SUM)`` in place: only the owned part receives the average, which is all
+  that :class:`~ls_fairseq.optim.adam.LSAdam` reads when it updates that part only and
+  all-gathers the weights afterwards. It moves half the bytes of an all-reduce while the
+  backward runs. :func:`shardable` says whether every bucket splits evenly.
 
 Armed means: the ``arm`` object's ``accumulate_grads`` is False (fairseq's legacy DDP wrapper
 sets it inside ``no_sync()``, for all but the last micro-batch of ``--update-freq``). An
@@ -66,6 +72,12 @@ class Bucket:
         self.members = members  # parameter indices in ``buffer``, last in layout first
         self.flat = buffer.grad[start:end]
 
+    def own(self, rank: int, world_size: int) -> Tuple[int, int]:
+        """The range ``[lo, hi)`` of the flat buffer that ``rank`` owns when the bucket is sharded."""
+        part = (self.end - self.start) // world_size
+        lo = self.start + rank * part
+        return lo, lo + part
+
     def __repr__(self):
         return f"Bucket({self.buffer.dtype}, [{self.start}, {self.end}), params {self.members})"
 
@@ -100,6 +112,17 @@ def bucket_order(workspaces: Sequence[FlatWorkspace], bucket_bytes: int) -> List
     return buckets
 
 
+# the smallest part of a sharded bucket, in elements: keeps every part 16-byte aligned for the
+# vectorised kernels (parameters start on 256-byte boundaries, so bucket lengths are multiples of it)
+SHARD_ALIGN_ELEMENTS = 8
+
+
+def shardable(buckets: Sequence[Bucket], world_size: int) -> bool:
+    """Whether every bucket splits into ``world_size`` equal parts of a multiple of
+    :data:`SHARD_ALIGN_ELEMENTS` elements (true for world sizes that are powers of two up to 16)."""
+    return world_size >= 2 and all((bk.end - bk.start) % (world_size * SHARD_ALIGN_ELEMENTS) == 0 for bk in buckets)
+
+
 class _Round:
     """The state of one armed backward pass, from its first hook to :meth:`OverlappedReducer.finish`."""
 
@@ -130,7 +153,7 @@ class OverlappedReducer:
     """
 
     def __init__(self, workspaces: Sequence[FlatWorkspace], world_size: int, process_group, arm,
-                 bucket_bytes: int = DEFAULT_BUCKET_MB << 20):
+                 bucket_bytes: int = DEFAULT_BUCKET_MB << 20, shard: bool = False):
         if world_size < 2:
             raise ValueError("overlapped all-reduce: needs a world size of at least 2")
         self.workspaces = list(workspaces)
@@ -140,6 +163,14 @@ class OverlappedReducer:
         self.arm = arm
         self.bucket_bytes = bucket_bytes
         self.buckets = bucket_order(self.workspaces, bucket_bytes)
+        self.rank = None
+        if shard:
+            if not shardable(self.buckets, world_size):
+                raise ValueError(f"overlapped reduce-scatter: the buckets do not split into {world_size} equal, "
+                                 "aligned parts (see shardable())")
+            self.rank = dist.get_rank(process_group)
+        self._own = [bk.flat[slice(*(o - bk.start for o in bk.own(self.rank, world_size)))]
+                     for bk in self.buckets] if shard else None
         # one slot per (buffer, parameter), numbered bucket by bucket
         self._slots: List[Tuple[FlatBuffer, int, int]] = []  # slot -> (buffer, index, bucket)
         self._sizes = []
@@ -155,9 +186,14 @@ class OverlappedReducer:
             if p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(s)))
         logger.info(
-            "ls_adam: gradient all-reduce overlapped with the backward pass (%d buckets of ~%.1f MB)",
-            len(self.buckets), bucket_bytes / 2**20,
+            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB)",
+            "reduce-scatter" if shard else "all-reduce", len(self.buckets), bucket_bytes / 2**20,
         )
+
+    @property
+    def sharded(self) -> bool:
+        """Whether buckets are reduce-scattered (each rank gets the average of its own parts only)."""
+        return self.rank is not None
 
     def covers(self, workspaces: Sequence[FlatWorkspace]) -> bool:
         """Whether this reducer was built for exactly these workspaces' buffers."""
@@ -215,8 +251,13 @@ class OverlappedReducer:
     def _launch_ready(self, r: _Round) -> int:
         launched = 0
         buckets, pending = self.buckets, r.pending
+        own, group = self._own, self.process_group
         while r.next < len(buckets) and pending[r.next] == 0:
-            r.works.append(dist.all_reduce(buckets[r.next].flat, group=self.process_group, async_op=True))
+            flat = buckets[r.next].flat
+            if own is None:
+                r.works.append(dist.all_reduce(flat, group=group, async_op=True))
+            else:  # in place: the output is this rank's part of the input
+                r.works.append(dist.reduce_scatter_tensor(own[r.next], flat, group=group, async_op=True))
             r.next += 1
             launched += 1
         return launched
@@ -285,4 +326,5 @@ class OverlappedReducer:
         return True
 
 
-__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "bucket_order", "plan_buckets"]
+__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "SHARD_ALIGN_ELEMENTS", "bucket_order", "plan_buckets",
+           "shardable"]

@@ -9,7 +9,13 @@ import sys
 import pytest
 import torch
 
-from tests._models import lightseq_train_two_ranks, run_checked, train_inner_records
+from tests._models import (
+    checkpoint_optimizer_tensors,
+    lightseq_train_two_ranks,
+    load_checkpoint,
+    run_checked,
+    train_inner_records,
+)
 from tests.test_end_to_end import ROOT, TRAIN_FLAGS, _params, data_bin  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.gpu
@@ -54,6 +60,36 @@ def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_p
         if k.endswith("k_proj.bias"):
             continue  # no effect on the softmax: its gradient is rounding noise that Adam scales up
         torch.testing.assert_close(p2[k].float(), p1[k].float(), rtol=2e-3, atol=2e-3, msg=k)
+
+
+@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
+def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, precision):  # noqa: F811
+    """NCCL's in-place reduce-scatter and all-gather: the sharded run (the default) takes the updates of
+    the run with the whole optimizer state on every rank bit for bit (no clipping: the norm, summed in
+    another order, only decides overflows), and its checkpoint holds the same whole state."""
+    _need_two_gpus()
+    flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
+             "--grouped-shuffling", "--disable-validation"]
+    runs = {}
+    for name, env in (("sharded", {}), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})):
+        (tmp_path / name).mkdir()
+        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
+                                              backend="nccl")
+    assert "optimizer state sharded over 2 ranks" in (tmp_path / "sharded" / "rank0.log").read_text()
+    assert "optimizer state sharded" not in (tmp_path / "whole" / "rank0.log").read_text()
+    a, b = runs["sharded"], runs["whole"]
+    assert sorted(a) == sorted(b) and len(a) >= 8
+    for u in a:
+        for k in ("loss", "nll_loss", "wpb", "loss_scale"):
+            assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
+        assert float(a[u]["gnorm"]) == pytest.approx(float(b[u]["gnorm"]), rel=1e-3)
+    ca, cb = (load_checkpoint(str(tmp_path / n / "checkpoint_last.pt")) for n in ("sharded", "whole"))
+    for k in cb["model"]:
+        assert torch.equal(ca["model"][k], cb["model"][k]), k
+    ta, tb = checkpoint_optimizer_tensors(ca), checkpoint_optimizer_tensors(cb)
+    assert sorted(ta) == sorted(tb) and len(tb) > 0
+    for k in tb:
+        assert torch.equal(ta[k], tb[k]), k
 
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])

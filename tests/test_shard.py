@@ -1,0 +1,224 @@
+"""ls_adam with its state sharded over data-parallel ranks (LSAdam.shard_, the reduce-scatter of
+ls_fairseq.optim.overlap): two gloo processes on the CPU train one replica sharded and one with the whole
+state and the synchronous all-reduce; weights, norms and the consolidated state must agree."""
+
+import datetime
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ls_fairseq.optim.adam import LSAdam
+from ls_fairseq.optim.overlap import bucket_order, shardable
+from ls_fairseq.optim.workspace import FlatWorkspace
+
+from _models import checkpoint_optimizer_tensors, load_checkpoint, two_rank_results
+from test_overlap import _Net, _loss
+
+
+def test_shardable_needs_equal_aligned_parts():
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(100,), (3, 7), (64,)]]
+    ws = FlatWorkspace(params)  # fp32: every parameter starts on a 64-element boundary
+    buckets = bucket_order([ws], 1)
+    assert shardable(buckets, 2) and shardable(buckets, 4) and shardable(buckets, 8)
+    assert not shardable(buckets, 3) and not shardable(buckets, 16) and not shardable(buckets, 1)
+    lo, hi = buckets[0].own(1, 4)
+    assert (hi - lo) * 4 == buckets[0].end - buckets[0].start and lo == buckets[0].start + (hi - lo)
+
+
+def test_shard_refuses_buckets_that_do_not_tile_the_buffers():
+    net = torch.nn.Linear(8, 8)
+    opt = LSAdam(net.parameters(), lr=0.1)
+    (ws,) = opt.workspaces
+    buckets = bucket_order([ws], 1)
+    with pytest.raises(ValueError, match="tile"):
+        opt.shard_(buckets[:1], 0, 2)
+    other = bucket_order([FlatWorkspace([torch.nn.Parameter(torch.randn(8))])], 1)
+    with pytest.raises(ValueError, match="cover"):
+        opt.shard_(other, 0, 2)
+    with pytest.raises(ValueError, match="world size"):
+        opt.shard_(buckets, 2, 2)
+    odd = [SimpleNamespace(buffer=b.buffer, start=b.start, end=b.end, own=lambda r, w, b=b: (b.start, b.start + 1))
+           for b in buckets]
+    with pytest.raises(ValueError, match="equal parts"):
+        opt.shard_(odd, 0, 2)
+    assert not opt.sharded
+
+
+def test_crash_checkpoint_gathers_nothing_when_the_state_is_sharded(tmp_path):
+    """After an exception on one rank nothing collective may run (the other ranks are elsewhere): with
+    sharded state crash.pt is written without the optimizer state, and the setting is restored."""
+    from omegaconf import OmegaConf
+
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+
+    calls = []
+    cfg = OmegaConf.create({"checkpoint": {"save_dir": str(tmp_path), "no_save_optimizer_state": False}})
+    fake = SimpleNamespace(
+        cfg=cfg,
+        consolidate_optimizer=lambda: calls.append("consolidate"),
+        save_checkpoint=lambda path, extra: calls.append(("save", os.path.basename(path),
+                                                          cfg.checkpoint.no_save_optimizer_state)),
+    )
+    LSTrainer._save_crash_checkpoint(fake, SimpleNamespace(sharded=True))
+    assert calls == [("save", "crash.pt", True)] and cfg.checkpoint.no_save_optimizer_state is False
+    calls.clear()
+    LSTrainer._save_crash_checkpoint(fake, SimpleNamespace(sharded=False))
+    assert calls == ["consolidate", ("save", "crash.pt", False)]
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _worker(rank, port, out_dir):
+    import ls_fairseq.fairseq_ext  # noqa: F401
+    from fairseq.distributed import ModuleProxyWrapper
+    from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
+
+    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    out = {"mismatch": [], "norms": [], "sharded": []}
+    try:
+        cfg = LSAdamConfig(lr=[0.01], adam_betas="(0.9, 0.98)", bucket_cap_mb=256 / 2**20)  # 256-byte buckets
+        net, ref = _Net(), _Net()
+        ddp = LegacyDistributedDataParallel(net, process_group=dist.group.WORLD)
+        wrapped = ModuleProxyWrapper(ddp)
+        opt = LSFairseqAdam(cfg, list(net.parameters()))
+        opt.request_sharding()
+        ref_opt = LSFairseqAdam(cfg, list(ref.parameters()))
+        names = [n for n, _ in net.named_parameters()]
+        for update, freq in enumerate([1, 2, 1, 1, 2, 1]):
+            use_extra = rank == 0 and update != 4
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(freq):
+                if micro < freq - 1:
+                    with wrapped.no_sync():
+                        _loss(wrapped, rank, update, micro, use_extra).backward()
+                        opt.all_reduce_grads(wrapped)
+                else:
+                    _loss(wrapped, rank, update, micro, use_extra).backward()
+                _loss(ref, rank, update, micro, use_extra).backward()
+            opt.all_reduce_grads(wrapped)
+            ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)
+            out["sharded"].append(opt.sharded)
+            # updates 3 and 5 clip (a factor read from the norm), the others step with the raw gradients
+            if update in (3, 5):
+                norm, ref_norm = opt.clip_grad_norm(0.5), ref_opt.clip_grad_norm(0.5)
+            else:
+                norm, ref_norm = opt._optimizer.grad_norm(), ref_opt._optimizer.grad_norm()
+            out["norms"].append((float(norm), float(ref_norm)))
+            opt.step()
+            ref_opt.step()
+            tol = {} if update not in (3, 5) else {"rtol": 1e-5, "atol": 1e-6}
+            for n, p, q in zip(names, net.parameters(), ref.parameters()):
+                ok = _same(p, q) if not tol else torch.allclose(p.float(), q.float(), **tol)
+                if not ok:
+                    out["mismatch"].append(f"update {update} param {n}")
+            if update == 3:  # from here on both start from the same weights again
+                with torch.no_grad():
+                    for p, q in zip(net.parameters(), ref.parameters()):
+                        q.copy_(p)
+                opt.consolidate_state_dict()
+                ref_opt.load_state_dict(opt.state_dict())
+        # the whole state only after consolidation, and then equal to the unsharded optimizer's
+        try:
+            opt.state_dict()
+            out["stale_read"] = "allowed"
+        except RuntimeError as e:
+            out["stale_read"] = str(e)
+        opt.consolidate_state_dict()
+        got, want = opt.state_dict(), ref_opt.state_dict()
+        out["state_equal"] = all(
+            all(_same(got["state"][i][k], want["state"][i][k]) for k in want["state"][i] if torch.is_tensor(want["state"][i][k]))
+            for i in want["state"])
+        out["params"] = [p.detach().clone() for p in net.parameters()]
+        # a non-finite device factor (an fp16 overflow) skips the update on every part
+        before = [p.detach().clone() for p in net.parameters()]
+        opt.zero_grad()
+        _loss(wrapped, rank, 50, 0, True).backward()
+        opt.all_reduce_grads(wrapped)
+        opt._optimizer._grad_factor = torch.tensor(float("nan"))
+        opt.step()
+        out["skipped"] = all(_same(a, p) for a, p in zip(before, net.parameters()))
+        # dropping the reducer (a new wrapper) consolidates and keeps the whole state from then on
+        opt._optimizer.forget_last_step()
+        opt._drop_reducer()
+        out["after_drop"] = (opt.sharded, opt._optimizer._stale)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_adam_equals_the_whole_state_on_two_ranks(tmp_path):
+    got = two_rank_results(_worker, tmp_path)
+    for rank in (0, 1):
+        out = got[rank]
+        assert out["mismatch"] == [], out["mismatch"]
+        # sharded from the first update on (its gradients were all-reduced whole before the hooks existed)
+        assert out["sharded"] == [True] * 6
+        for norm, ref in out["norms"]:
+            assert norm == pytest.approx(ref, rel=1e-6)
+        assert "consolidate_state_dict" in out["stale_read"]
+        assert out["state_equal"]
+        assert out["skipped"]
+        assert out["after_drop"] == (False, False)
+    for a, b in zip(got[0]["params"], got[1]["params"]):
+        assert torch.equal(a, b)  # every rank holds all the new weights
+    # each rank's norm is the norm of all the gradients, not of its own part
+    assert [n for n, _ in got[0]["norms"]] == [n for n, _ in got[1]["norms"]]
+
+
+# --------------------------------------------------------------------------- lightseq-train, two gloo ranks
+from test_end_to_end import data_bin, inner_by_update, train  # noqa: E402,F401  (fixture)
+
+
+def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, tmp_path):  # noqa: F811
+    """lightseq-train on two gloo ranks with the optimizer state sharded (the default) and with the
+    whole state on every rank (``LS_FAIRSEQ_SHARD_ADAM=0``): no clipping, so the updates agree bit for
+    bit, and so do the checkpoints (the sharded run consolidates before saving). The sharded checkpoint
+    resumes on two ranks and on one process with --update-freq 2."""
+    from _models import lightseq_train_two_ranks
+    from test_end_to_end import TRAIN_FLAGS
+
+    flags = [*TRAIN_FLAGS, "--dropout", "0", "--log-interval", "3", "--disable-validation"]
+    runs = {}
+    for name, env in (("sharded", {}), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})):
+        save = tmp_path / name
+        save.mkdir()
+        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, "--max-update", "6"], env=env)
+    with open(tmp_path / "sharded" / "rank0.log") as f:
+        assert "optimizer state sharded over 2 ranks" in f.read()
+    assert sorted(runs["sharded"]) == sorted(runs["whole"]) == [3, 6]
+    for u in (3, 6):
+        for k in ("loss", "nll_loss", "gnorm", "wpb"):
+            assert runs["sharded"][u][k] == runs["whole"][u][k], (u, k)
+    # the toy epoch is 3 updates on two ranks: checkpoint_last.pt was written at updates 3 and 6
+    a, b = (load_checkpoint(str(tmp_path / name / "checkpoint_last.pt")) for name in ("sharded", "whole"))
+    for k in b["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    ta, tb = checkpoint_optimizer_tensors(a), checkpoint_optimizer_tensors(b)
+    assert sorted(ta) == sorted(tb) and len(tb) > 0
+    for k in tb:
+        assert torch.equal(ta[k], tb[k]), k
+
+    # resume the sharded run on two ranks, and on one process with --update-freq 2 (the same batches)
+    import shutil
+
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(tmp_path / "sharded" / "checkpoint_last.pt", one / "checkpoint_last.pt")
+    more = lightseq_train_two_ranks(data_bin, tmp_path / "sharded", tmp_path / "sharded",
+                                    [*flags, "--max-update", "9"])
+    with open(tmp_path / "sharded" / "rank0.log") as f:
+        assert "Loaded checkpoint" in f.read()
+    assert sorted(more) == [9]
+    records = inner_by_update(train(data_bin, str(one), "--dropout", "0", "--log-interval", "3",
+                                    "--disable-validation", "--update-freq", "2", "--max-update", "9"))
+    assert sorted(records) == [9]
+    assert float(records[9]["loss"]) == pytest.approx(float(more[9]["loss"]), abs=0.01)
