@@ -2,21 +2,17 @@
 # One call on a 2-GPU machine: ls_adam with its state sharded over the ranks (the default of
 # lightseq-train's deferred step on several GPUs) against the whole state on every rank
 # (LS_FAIRSEQ_SHARD_ADAM=0), both against one GPU with --update-freq 2 on the same batches.
-#   t     the two-GPU tests (tests/gpu/test_multi_gpu.py), log gpu_multi_tests.log
 #   s1    1 GPU, --update-freq 2 --grouped-shuffling
 #   s2    2 GPUs, --grouped-shuffling, sharded (default)
 #   s3    2 GPUs, --grouped-shuffling, LS_FAIRSEQ_SHARD_ADAM=0
 #   s4    2 GPUs, --grouped-shuffling, sharded, --bucket-cap-mb 100
 #   s5    = s2 again (run-to-run spread)
+#   then  the two-GPU tests (tests/gpu/test_multi_gpu.py), log gpu_multi_tests.log
 #   pr    per-rank profile of the sharded 2-GPU run (benchmarks/profile_ranks.py), if PROFILE=1
 # Environment: MAX_TOKENS (8192), UPDATES (200), SKIP_TESTS=1, PROFILE=1. Logs under $OUT.
 cd "$(dirname "$0")/.."
 source benchmarks/multi_gpu_common.sh
 UPD=${UPDATES:-200}
-if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
-  python -m pytest -q -m gpu tests/gpu/test_multi_gpu.py > "$OUT/gpu_multi_tests.log" 2>&1
-  echo "tests rc=$? $(tail -1 "$OUT/gpu_multi_tests.log")"
-fi
 G=(--max-update "$UPD" --grouped-shuffling)
 run s1_1gpu_uf2 env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
 run s2_2gpu_sharded $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
@@ -25,6 +21,10 @@ run s4_2gpu_sharded_bucket100mb $T "${COMMON[@]}" "${G[@]}" --distributed-world-
 run s5_2gpu_sharded_again $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 grep -h "optimizer state sharded\|reduce-scatter\|all-reduce overlapped" "$OUT"/s[2-5]*.log | sort | uniq -c
 python benchmarks/summarize_train_logs.py "$OUT/s*.log" 60
+if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
+  python -m pytest -q -m gpu tests/gpu/test_multi_gpu.py > "$OUT/gpu_multi_tests.log" 2>&1
+  echo "tests rc=$? $(tail -1 "$OUT/gpu_multi_tests.log")"
+fi
 if [[ "${PROFILE:-0}" == 1 ]]; then
   torchrun --nproc_per_node 2 benchmarks/profile_ranks.py --profile-updates 120:30 "${COMMON[@]}" --max-update 155 \
     --distributed-world-size 2 --grouped-shuffling > "$OUT/pr_2gpu_sharded.log" 2>&1
