@@ -19,7 +19,7 @@ run s2_2gpu_sharded $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 run s3_2gpu_whole env LS_FAIRSEQ_SHARD_ADAM=0 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 run s4_2gpu_sharded_bucket100mb $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2 --bucket-cap-mb 100
 run s5_2gpu_sharded_again $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
-grep -h "optimizer state sharded\|reduce-scatter\|all-reduce overlapped" "$OUT"/s[2-5]*.log | sort | uniq -c
+grep -ho "ls_adam: optimizer state sharded over [0-9]* ranks\|ls_adam: gradient [a-z-]* overlapped" "$OUT"/s[2-5]*.log | sort | uniq -c
 python benchmarks/summarize_train_logs.py "$OUT/s*.log" 60
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
   python -m pytest -q -m gpu tests/gpu/test_multi_gpu.py > "$OUT/gpu_multi_tests.log" 2>&1
