@@ -193,7 +193,9 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
         save.mkdir()
         runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, "--max-update", "6"], env=env)
     with open(tmp_path / "sharded" / "rank0.log") as f:
-        assert "optimizer state sharded over 2 ranks" in f.read()
+        log = f.read()
+    assert "optimizer state sharded over 2 ranks" in log
+    assert "the forward waits for the weights' all-gathers layer by layer (4 layers" in log
     assert sorted(runs["sharded"]) == sorted(runs["whole"]) == [3, 6]
     for u in (3, 6):
         for k in ("loss", "nll_loss", "gnorm", "wpb"):

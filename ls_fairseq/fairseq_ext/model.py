@@ -25,6 +25,11 @@ class LSTransformerModel(native.TransformerModel):
     and ``ls_transformer_*`` load into each other.
     """
 
+    # every encoder / decoder layer uses its own parameters only while it is called, and nobody
+    # else's: the sharded ls_adam may let the forward wait for each layer's weights on its own
+    # (ls_fairseq.optim.gather_waits)
+    ls_gather_waits = True
+
     @classmethod
     def hub_models(cls):
         return {}

@@ -20,7 +20,10 @@ deferred step of ``lightseq-train`` does; ``LS_FAIRSEQ_SHARD_ADAM=0`` keeps the 
 every rank), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
 only its own part of the state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`).
 Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before
-saving, so they load on any number of GPUs.
+saving, so they load on any number of GPUs. For models that allow it (``ls_gather_waits``, as
+ls_transformer), the all-gathers of the new weights overlap the next forward pass, which waits
+for them layer by layer (:mod:`ls_fairseq.optim.gather_waits`; ``LS_FAIRSEQ_GATHER_WAITS=0`` makes
+the step wait for all of them instead).
 """
 
 import ast
@@ -166,6 +169,10 @@ class LSFairseqAdam(FairseqOptimizer):
             self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group)
             logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, then an "
                         "all-gather of the weights)", ddp.world_size, ddp.world_size)
+            if getattr(ddp.module, "ls_gather_waits", False) and os.environ.get("LS_FAIRSEQ_GATHER_WAITS") != "0":
+                from ls_fairseq.optim.gather_waits import GatherWaits
+
+                self._gather_waits = GatherWaits(self._optimizer, ddp.module)
 
     def consolidate_state_dict(self):
         self._optimizer.consolidate_state_dict()
@@ -201,7 +208,15 @@ class LSFairseqAdam(FairseqOptimizer):
             return False
         return not distributed_utils.use_xla() and not isinstance(ddp.process_group, tuple)
 
+    def wait_for_weights(self):
+        """Make the current stream wait for the weights' all-gathers still in flight (a no-op when
+        none are): call before reading the weights outside the model's forward."""
+        self._optimizer.wait_gathers()
+
     def _drop_reducer(self):
+        waits = self.__dict__.pop("_gather_waits", None)
+        if waits is not None:
+            waits.remove()
         reducer = self.__dict__.pop("_reducer", None)
         if reducer is not None:
             reducer.remove()

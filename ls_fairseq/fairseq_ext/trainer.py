@@ -45,7 +45,10 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   gradients are reduce-scattered during the backward, each rank runs Adam on its own part and the
   weights are all-gathered. The gradient norm is then one all-reduced number, the same on every
   rank by construction, so fairseq's cross-rank norm check is not needed. Checkpoints still hold
-  the whole state. ``LS_FAIRSEQ_SHARD_ADAM=0`` keeps the whole state on every rank.
+  the whole state. ``LS_FAIRSEQ_SHARD_ADAM=0`` keeps the whole state on every rank. The new
+  weights' all-gathers overlap the next forward pass, which waits for each layer's weights in a
+  forward pre-hook; every access to the model from outside the train step (validation,
+  checkpoints, ``get_model()``) first waits for all of them.
 
 Other host stalls removed for every optimizer:
 
@@ -316,6 +319,24 @@ class _StepTimer:
 
 
 class LSTrainer(Trainer):
+    # ----------------------------------------------------- the weights in flight
+    @property
+    def model(self):
+        """fairseq's (wrapped) model; outside the train step, after the weights' all-gathers still in
+        flight from the last sharded step (the train step's forward waits for them layer by layer)."""
+        if not self.__dict__.get("_ls_in_step"):
+            self._ls_wait_for_weights()
+        return Trainer.model.fget(self)
+
+    def get_model(self):
+        self._ls_wait_for_weights()
+        return super().get_model()
+
+    def _ls_wait_for_weights(self):
+        inner, _ = _inner_and_scaler(self.__dict__.get("_optimizer"))
+        if isinstance(inner, LSFairseqAdam):
+            inner.wait_for_weights()
+
     # ------------------------------------------------------------------ step
     def train_step(self, samples, raise_oom=False):
         model, criterion = self.model, self.criterion
@@ -325,7 +346,11 @@ class LSTrainer(Trainer):
         keep = self.__dict__.get("_ls_train_mode_set") and model.training and criterion.training
         with _train_mode_kept(model, criterion) if keep else contextlib.nullcontext():
             if deferred:
-                out = self._deferred_train_step(samples, raise_oom)
+                self._ls_in_step = True  # the forward pre-hooks wait for the weights they read
+                try:
+                    out = self._deferred_train_step(samples, raise_oom)
+                finally:
+                    self._ls_in_step = False
             else:
                 out = super().train_step(samples, raise_oom)
         self._ls_train_mode_set = True
@@ -512,6 +537,7 @@ class LSTrainer(Trainer):
         failed, so nothing collective runs here: with sharded optimizer state the checkpoint holds
         the model without the optimizer state (a run resumed from it starts Adam afresh)."""
         path = os.path.join(self.cfg.checkpoint.save_dir, "crash.pt")
+        self._ls_in_step = False  # the checkpoint reads the weights: wait for them
         if not ls_adam.sharded:
             self.consolidate_optimizer()
             self.save_checkpoint(path, {})

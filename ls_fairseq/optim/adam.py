@@ -29,6 +29,14 @@ state. The other parts of the master weights and moments go stale on this rank.
 :meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
 a checkpoint) all-gathers them; :meth:`state_dict` refuses to return stale state.
 
+Deferred all-gathers (:meth:`LSAdam.defer_gathers`). By default :meth:`step` makes the stream wait
+for its all-gathers before it returns. With ``defer_gathers(need)`` the buckets are updated in the
+order of ``need`` (the bucket the next forward uses first goes first) and the all-gathers stay in
+flight when :meth:`step` returns: whoever reads weights calls :meth:`wait_gathers` for the buckets
+it is about to read (:class:`~ls_fairseq.optim.gather_waits.GatherWaits` does so from forward
+pre-hooks, layer by layer, so the gathers overlap the next forward), or for all of them.
+Every method of this class that reads or writes weights or state waits for all of them first.
+
 State dict. Standard layout: ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
 "param_groups": [...]}`` with one entry per parameter (tensors are views of the flat
 buffers; ``torch.save`` stores each buffer once). ``master`` is present for fp16 / bf16
@@ -88,6 +96,7 @@ class LSAdam(torch.optim.Optimizer):
         self._grad_factor = 1.0
         self._shard = None   # _Shard while the state is sharded across data-parallel ranks
         self._stale = False  # the parts other ranks own are out of date here (consolidate first)
+        self._gathers = {}   # bucket key -> all-gather in flight (deferred gathers)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, mode=mode)
         super().__init__(groups, defaults)
 
@@ -113,6 +122,7 @@ class LSAdam(torch.optim.Optimizer):
         Sharded: the norm of every rank's owned parts, combined by one all-reduce (collective)."""
         norms = []
         shard = self._shard
+        self.wait_gathers()
         for ws in self._workspaces:
             ws.sync()
             for buf in ws.buffers:
@@ -176,6 +186,7 @@ class LSAdam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale, factor = self._step_factor(scale)
         synced, self._synced = self.__dict__.get("_synced", False), False
+        self.wait_gathers()  # the last step's gathers read the parts this step writes
         for gi, (group, ws) in enumerate(zip(self.param_groups, self._workspaces)):
             if not synced:  # grad_norm() (clipping, the overflow test) synced them just before
                 ws.sync()
@@ -191,12 +202,17 @@ class LSAdam(torch.optim.Optimizer):
                     adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=buf.param_lp, **kw)
                     continue
                 lp = buf.param_lp
+                defer = self._shard.defer
                 for start, end, lo, hi in parts:
                     adam_(buf.master[lo:hi], buf.grad[lo:hi], buf.exp_avg[lo:hi], buf.exp_avg_sq[lo:hi],
                           param_lp=None if lp is None else lp[lo:hi], **kw)
                     # the new weights of this bucket go out while Adam runs on the next one
-                    works.append(dist.all_gather_into_tensor(buf.param[start:end], buf.param[lo:hi],
-                                                             group=self._shard.group, async_op=True))
+                    work = dist.all_gather_into_tensor(buf.param[start:end], buf.param[lo:hi],
+                                                       group=self._shard.group, async_op=True)
+                    if defer:
+                        self._gathers[(id(buf), start)] = work
+                    else:
+                        works.append(work)
                 self._stale = True
             for w in works:
                 w.wait()  # NCCL: the current stream waits; the host does not
@@ -258,11 +274,52 @@ class LSAdam(torch.optim.Optimizer):
                     raise ValueError(f"ls_adam: bucket [{s}, {e}) does not split into {world_size} equal parts")
         self._shard = _Shard(rank, world_size, group, parts)
 
+    def bucket_key(self, p: torch.Tensor):
+        """The key of the shard bucket holding parameter ``p`` (what :meth:`wait_gathers` takes), or
+        None when the state is not sharded or ``p`` is not one of this optimizer's parameters."""
+        shard = self._shard
+        if shard is None:
+            return None
+        for ws in self._workspaces:
+            try:
+                buf, i = ws.locate(p)
+            except KeyError:
+                continue
+            o = buf.offsets[i][0]
+            for start, end, _, _ in shard.parts.get(id(buf), ()):
+                if start <= o < end:
+                    return (id(buf), start)
+        return None
+
+    def defer_gathers(self, need: Dict) -> None:
+        """From the next :meth:`step` on, leave its all-gathers in flight (see the module docstring)
+        and update the buckets in the order of ``need[key]`` (smaller first; keys from
+        :meth:`bucket_key`, missing keys last)."""
+        if self._shard is None:
+            raise RuntimeError("ls_adam: defer_gathers needs sharded state (shard_ first)")
+        big = float("inf")
+        for key_buf, ranges in self._shard.parts.items():
+            ranges.sort(key=lambda r, b=key_buf: (need.get((b, r[0]), big), r[0]))
+        self._shard.defer = True
+
+    def wait_gathers(self, keys=None) -> None:
+        """Make the current stream wait for the deferred all-gathers of ``keys`` (all when None)."""
+        pending = self._gathers
+        if not pending:
+            return
+        if keys is None:
+            works, self._gathers = list(pending.values()), {}
+        else:
+            works = [w for w in (pending.pop(k, None) for k in keys) if w is not None]
+        for w in works:
+            w.wait()
+
     @torch.no_grad()
     def consolidate_state_dict(self) -> None:
         """Collective (every rank of the shard group calls it): all-gather the master weights and
         moments that other ranks own, so that :meth:`state_dict` is complete on every rank. A no-op
         when nothing is stale."""
+        self.wait_gathers()
         if self._shard is None or not self._stale:
             return
         works = []
@@ -285,6 +342,7 @@ class LSAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------- state dict
     def state_dict(self):
+        self.wait_gathers()
         if self._stale:
             raise RuntimeError(
                 "ls_adam: the optimizer state is sharded across the data-parallel ranks and this rank holds "
@@ -313,6 +371,7 @@ class LSAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict):
+        self.wait_gathers()
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
@@ -368,7 +427,8 @@ class LSAdam(torch.optim.Optimizer):
 class _Shard:
     """Where this rank's parts lie: ``parts[id(buffer)]`` = [(start, end, lo, hi)] per bucket."""
 
-    __slots__ = ("rank", "world_size", "group", "parts")
+    __slots__ = ("rank", "world_size", "group", "parts", "defer")
 
     def __init__(self, rank, world_size, group, parts):
         self.rank, self.world_size, self.group, self.parts = rank, world_size, group, parts
+        self.defer = False  # leave the step's all-gathers in flight (defer_gathers)
