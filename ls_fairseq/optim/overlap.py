@@ -11,11 +11,12 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   buckets of its own; one global order interleaves them by the position of each bucket's
   first parameter in the optimizer's parameter list (:func:`bucket_order`).
 * Hooks. Every trainable parameter carries a post-accumulate-grad hook. When it fires while
-  the reduction is armed, the gradient divided by the world size is written into the
-  parameter's slice of the flat buffer in one op, ``p.grad`` becomes that slice (the fresh
-  tensor autograd produced is freed right away, and the workspace sync later copies nothing),
-  and a bucket whose parameters are all done is handed to an asynchronous
-  ``all_reduce(SUM)``. Buckets are launched strictly in the global order, so every rank issues
+  the reduction is armed, it counts the parameter done. The hook that completes a bucket
+  writes the bucket's gradients into its range of the flat buffer in one multi-tensor copy,
+  divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
+  fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
+  hands the bucket to an asynchronous ``all_reduce(SUM)``: a few kernels per bucket, not one
+  per parameter. Buckets are launched strictly in the global order, so every rank issues
   the same collectives in the same sequence whatever order its hooks fire in.
 * End of the backward. The first hook of a round queues a callback that runs when the
   backward pass finishes, before ``backward()`` returns (a reentrant backward nested in it, as
@@ -236,17 +237,36 @@ class OverlappedReducer:
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(r))
             except RuntimeError:  # not inside an autograd backward: finish() does the rest
                 pass
-        buf, i, n = self._slots[slot]
-        view = buf.grad_view(i)
-        g = p.grad
-        if g.is_sparse:
-            g = g.to_dense()
-        torch.div(g, self.world_size, out=view)
-        p.grad = view
+        n = self._slots[slot][2]
         r.done[slot] = 1
         r.pending[n] -= 1
-        if n == r.next and r.pending[n] == 0:
-            r.early += self._launch_ready(r)
+        if r.pending[n] == 0:
+            self._fold(n)
+            if n == r.next:
+                r.early += self._launch_ready(r)
+
+    @torch.no_grad()
+    def _fold(self, n: int):
+        """Bucket ``n`` is complete: write its parameters' gradients into its range of the flat
+        buffer (one multi-tensor copy; zero without a gradient), divide the range by the world size
+        in one kernel, and make every ``p.grad`` its view (the tensors autograd produced are freed)."""
+        bk = self.buckets[n]
+        buf = bk.buffer
+        dst, src, zero = [], [], []
+        for i in bk.members:
+            p, view = buf.params[i], buf.grad_view(i)
+            g = p.grad
+            if g is None:
+                zero.append(view)
+            elif g.data_ptr() != view.data_ptr() or g.dtype != view.dtype:
+                dst.append(view)
+                src.append(g.to_dense() if g.is_sparse else g)
+            p.grad = view
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if zero:
+            torch._foreach_zero_(zero)
+        bk.flat.div_(self.world_size)
 
     def _launch_ready(self, r: _Round) -> int:
         launched = 0
@@ -269,30 +289,20 @@ class OverlappedReducer:
 
     @torch.no_grad()
     def _fill_rest(self, r: _Round):
-        """Fill the slices of parameters whose hook did not fire (as the synchronous path would:
-        zero without a gradient, the gradient divided by the world size otherwise) and launch
-        every bucket not launched yet."""
-        zero = []
+        """Fold the buckets that are not complete (their parameters whose hook did not fire get zero
+        without a gradient, the gradient divided by the world size otherwise, as on the synchronous
+        path) and launch every bucket not launched yet."""
         s = missed = 0
         for n, size in enumerate(self._sizes):
-            if n >= r.next:  # a launched bucket has no such parameter
+            if r.pending[n]:  # not folded yet (a complete bucket was folded by its last hook)
                 for slot in range(s, s + size):
-                    if r.done[slot]:
-                        continue
-                    buf, i, _ = self._slots[slot]
-                    p, view = buf.params[i], buf.grad_view(i)
-                    g = p.grad
-                    missed += p.requires_grad
-                    if g is None:
-                        zero.append(view)
-                    else:
-                        torch.div(g.to_dense() if g.is_sparse else g, self.world_size, out=view)
-                    p.grad = view
-                    r.done[slot] = 1
+                    if not r.done[slot]:
+                        buf, i, _ = self._slots[slot]
+                        missed += buf.params[i].requires_grad
+                        r.done[slot] = 1
+                self._fold(n)
                 r.pending[n] = 0
             s += size
-        if zero:
-            torch._foreach_zero_(zero)
         self._launch_ready(r)
         r.ended = True
         if missed and not self._told_missed:
