@@ -339,7 +339,7 @@ class LSTrainer(Trainer):
 
     # ------------------------------------------------------------------ step
     def train_step(self, samples, raise_oom=False):
-        model, criterion = self.model, self.criterion
+        model, criterion = Trainer.model.fget(self), self.criterion  # the forward waits for the weights
         deferred = self._deferred_step_applies()
         if not deferred:
             self._ls_resolve()
