@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One call on a 2-GPU machine: ls_adam with its state sharded over the ranks (the default of
-# lightseq-train's deferred step on several GPUs) against the whole state on every rank
+# One call on a 2-GPU machine: ls_adam with its state sharded over the ranks (LS_FAIRSEQ_SHARD_ADAM=1;
+# it was the default of lightseq-train's deferred step on several GPUs when this ran) against the whole state on every rank
 # (LS_FAIRSEQ_SHARD_ADAM=0), both against one GPU with --update-freq 2 on the same batches.
 #   s1    1 GPU, --update-freq 2 --grouped-shuffling
-#   s2    2 GPUs, --grouped-shuffling, sharded, the next forward waits for each layer's weights (default)
+#   s2    2 GPUs, --grouped-shuffling, sharded, the next forward waits for each layer's weights
 #   s3    2 GPUs, --grouped-shuffling, LS_FAIRSEQ_SHARD_ADAM=0 (the whole state on every rank)
 #   s4    2 GPUs, --grouped-shuffling, sharded, LS_FAIRSEQ_GATHER_WAITS=0 (the step waits for its all-gathers)
 #   s5    = s2 again, s6 = s1 again (run-to-run spread)
@@ -15,6 +15,7 @@ source benchmarks/multi_gpu_common.sh
 UPD=${UPDATES:-200}
 G=(--max-update "$UPD" --grouped-shuffling)
 run s1_1gpu_uf2 env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
+export LS_FAIRSEQ_SHARD_ADAM=1
 run s2_2gpu_sharded $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 run s3_2gpu_whole env LS_FAIRSEQ_SHARD_ADAM=0 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 run s4_2gpu_sharded_step_waits env LS_FAIRSEQ_GATHER_WAITS=0 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on a 2-GPU machine, after gpu_shard_session.sh: the sharded ls_adam (default: the forward
-# waits for each layer's weights) against the whole state on every rank, interleaved to see drift,
+# One call on a 2-GPU machine, after gpu_shard_session.sh: the sharded ls_adam (LS_FAIRSEQ_SHARD_ADAM=1;
+# the forward waits for each layer's weights) against the whole state on every rank, interleaved to see drift,
 # with the host load logged before and after. Same flags as gpu_shard_session.sh.
 #   u1 1 GPU --update-freq 2 | u2 2 GPUs sharded | u3 2 GPUs whole (LS_FAIRSEQ_SHARD_ADAM=0)
 #   u4 2 GPUs sharded, LS_FAIRSEQ_GATHER_WAITS=0 | u5 = u2 | u6 = u3
@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/multi_gpu_common.sh
 echo "load before: $(cat /proc/loadavg) cores $(nproc)"
 UPD=${UPDATES:-200}
+export LS_FAIRSEQ_SHARD_ADAM=1  # the sharded runs; the whole-state runs set 0
 G=(--max-update "$UPD" --grouped-shuffling)
 run u1_1gpu_uf2 env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
 run u2_2gpu_sharded $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2

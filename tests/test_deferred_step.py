@@ -138,8 +138,9 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):  # n
     update's outcome when it is settled) logs what fairseq's step body logs and ends with the
     same weights, with clipping active. (fp32: fairseq's own fp16 overflow branch needs a CUDA
     build, and the child processes cannot be patched like the in-process tests above.) With the
-    whole optimizer state on every rank the weights are equal bit for bit; with it sharded (the
-    default) the gradient norm is summed in another order, so the clipped updates agree to rounding."""
+    whole optimizer state on every rank (the default) the weights are equal bit for bit; with it
+    sharded (``LS_FAIRSEQ_SHARD_ADAM=1``) the gradient norm is summed in another order, so the
+    clipped updates agree to rounding."""
     from _models import lightseq_train_two_ranks
     from test_end_to_end import TRAIN_FLAGS
 
@@ -149,8 +150,8 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):  # n
     flags = [*TRAIN_FLAGS, "--max-update", "9", "--clip-norm", "0.1", "--dropout", "0", "--log-interval", "3",
              "--disable-validation"]
     runs = {}
-    for name, env in (("sync", {"LS_FAIRSEQ_SYNC_STEP": "1"}), ("deferred", {"LS_FAIRSEQ_SHARD_ADAM": "0"}),
-                      ("sharded", {})):
+    for name, env in (("sync", {"LS_FAIRSEQ_SYNC_STEP": "1"}), ("deferred", {}),
+                      ("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"})):
         save = tmp_path / name
         save.mkdir()
         runs[name] = lightseq_train_two_ranks(data_bin, save, save, flags, env=env)

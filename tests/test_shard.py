@@ -179,8 +179,8 @@ from test_end_to_end import data_bin, inner_by_update, train  # noqa: E402,F401 
 
 
 def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, tmp_path):  # noqa: F811
-    """lightseq-train on two gloo ranks with the optimizer state sharded (the default) and with the
-    whole state on every rank (``LS_FAIRSEQ_SHARD_ADAM=0``): no clipping, so the updates agree bit for
+    """lightseq-train on two gloo ranks with the optimizer state sharded (``LS_FAIRSEQ_SHARD_ADAM=1``)
+    and with the whole state on every rank (the default): no clipping, so the updates agree bit for
     bit, and so do the checkpoints (the sharded run consolidates before saving). The sharded checkpoint
     resumes on two ranks and on one process with --update-freq 2."""
     from _models import lightseq_train_two_ranks
@@ -188,7 +188,7 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
 
     flags = [*TRAIN_FLAGS, "--dropout", "0", "--log-interval", "3", "--disable-validation"]
     runs = {}
-    for name, env in (("sharded", {}), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})):
+    for name, env in (("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}), ("whole", {})):
         save = tmp_path / name
         save.mkdir()
         runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, "--max-update", "6"], env=env)
@@ -216,7 +216,7 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
     one.mkdir()
     shutil.copy(tmp_path / "sharded" / "checkpoint_last.pt", one / "checkpoint_last.pt")
     more = lightseq_train_two_ranks(data_bin, tmp_path / "sharded", tmp_path / "sharded",
-                                    [*flags, "--max-update", "9"])
+                                    [*flags, "--max-update", "9"], env={"LS_FAIRSEQ_SHARD_ADAM": "1"})
     with open(tmp_path / "sharded" / "rank0.log") as f:
         assert "Loaded checkpoint" in f.read()
     assert sorted(more) == [9]

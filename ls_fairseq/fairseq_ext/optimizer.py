@@ -16,8 +16,8 @@ It works under every fairseq precision mode:
   wrapper's overflow check reads.
 
 Sharded state. On several GPUs, once :meth:`LSFairseqAdam.request_sharding` was called (the
-deferred step of ``lightseq-train`` does; ``LS_FAIRSEQ_SHARD_ADAM=0`` keeps the whole state on
-every rank), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
+deferred step of ``lightseq-train`` does with ``LS_FAIRSEQ_SHARD_ADAM=1``; by default every rank
+keeps the whole state), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
 only its own part of the state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`).
 Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before
 saving, so they load on any number of GPUs. For models that allow it (``ls_gather_waits``, as

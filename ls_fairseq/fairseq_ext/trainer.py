@@ -41,14 +41,15 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   host with the update's outcome, so fairseq's meters get host numbers when the update is
   resolved (with device tensors as weights they would wait for the GPU), and the cross-rank
   gradient-norm check is evaluated then too;
-* multi-GPU: ls_adam keeps its state sharded over the ranks (:mod:`ls_fairseq.optim.adam`): the
-  gradients are reduce-scattered during the backward, each rank runs Adam on its own part and the
-  weights are all-gathered. The gradient norm is then one all-reduced number, the same on every
-  rank by construction, so fairseq's cross-rank norm check is not needed. Checkpoints still hold
-  the whole state. ``LS_FAIRSEQ_SHARD_ADAM=0`` keeps the whole state on every rank. The new
-  weights' all-gathers overlap the next forward pass, which waits for each layer's weights in a
-  forward pre-hook; every access to the model from outside the train step (validation,
-  checkpoints, ``get_model()``) first waits for all of them.
+* multi-GPU, with ``LS_FAIRSEQ_SHARD_ADAM=1``: ls_adam keeps its state sharded over the ranks
+  (:mod:`ls_fairseq.optim.adam`): the gradients are reduce-scattered during the backward, each
+  rank runs Adam on its own part and the weights are all-gathered. The gradient norm is then one
+  all-reduced number, the same on every rank by construction, so fairseq's cross-rank norm check
+  is not needed. Checkpoints still hold the whole state. The new weights' all-gathers overlap the
+  next forward pass, which waits for each layer's weights in a forward pre-hook; every access to
+  the model from outside the train step (validation, checkpoints, ``get_model()``) first waits
+  for all of them. Off by default: on two H200s it was not faster than the whole state on every
+  rank (benchmarks/RESULTS.md).
 
 Other host stalls removed for every optimizer:
 
@@ -105,7 +106,7 @@ def plain_trainer_requested() -> bool:
 
 
 def shard_adam_requested() -> bool:
-    return os.environ.get("LS_FAIRSEQ_SHARD_ADAM", "1") != "0"
+    return os.environ.get("LS_FAIRSEQ_SHARD_ADAM") == "1"
 
 
 def sync_step_requested() -> bool:

@@ -64,14 +64,15 @@ def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_p
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
 def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, precision):  # noqa: F811
-    """NCCL's in-place reduce-scatter and all-gather: the sharded run (the default) takes the updates of
-    the run with the whole optimizer state on every rank bit for bit (no clipping: the norm, summed in
-    another order, only decides overflows), and its checkpoint holds the same whole state."""
+    """NCCL's in-place reduce-scatter and all-gather: the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``)
+    takes the updates of the run with the whole optimizer state on every rank bit for bit (no
+    clipping: the norm, summed in another order, only decides overflows), and its checkpoint holds
+    the same whole state."""
     _need_two_gpus()
     flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
              "--grouped-shuffling", "--disable-validation"]
     runs = {}
-    for name, env in (("sharded", {}), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})):
+    for name, env in (("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}), ("whole", {})):
         (tmp_path / name).mkdir()
         runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
                                               backend="nccl")
