@@ -135,8 +135,8 @@ def _worker(rank, port, out_dir):
         opt.consolidate_state_dict()
         got, want = opt.state_dict(), ref_opt.state_dict()
         out["state_equal"] = all(
-            all(_same(got["state"][i][k], want["state"][i][k]) for k in want["state"][i] if torch.is_tensor(want["state"][i][k]))
-            for i in want["state"])
+            _same(got["state"][i][k], v) for i, entry in want["state"].items() for k, v in entry.items()
+            if torch.is_tensor(v))
         out["params"] = [p.detach().clone() for p in net.parameters()]
         # a non-finite device factor (an fp16 overflow) skips the update on every part
         before = [p.detach().clone() for p in net.parameters()]

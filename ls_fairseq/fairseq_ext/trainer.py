@@ -494,7 +494,8 @@ class LSTrainer(Trainer):
             finite = torch.isfinite(grad_norm)
             factor = torch.where(finite, factor, torch.full_like(factor, float("nan")))
             status = [grad_norm.double().reshape(1)]
-            if self._grad_norm_buf is not None and not ls_adam.sharded:  # fairseq's cross-rank check, read when settled
+            # fairseq's cross-rank check, read when settled (a sharded norm is the same on every rank)
+            if self._grad_norm_buf is not None and not ls_adam.sharded:
                 buf = self._grad_norm_buf
                 buf.zero_()
                 buf[self.data_parallel_rank] = grad_norm

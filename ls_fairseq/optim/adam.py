@@ -194,9 +194,10 @@ class LSAdam(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             works = []
             for buf in ws.buffers:
+                dev_factor = None if factor is None else factor.to(buf.master.device)
                 kw = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                           weight_decay=group["weight_decay"], step=self._steps[gi], grad_scale=grad_scale,
-                          mode=group["mode"], grad_scale_tensor=None if factor is None else factor.to(buf.master.device))
+                          mode=group["mode"], grad_scale_tensor=dev_factor)
                 parts = self._shard.parts.get(id(buf)) if self._shard is not None else None
                 if parts is None:
                     adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=buf.param_lp, **kw)

@@ -120,7 +120,8 @@ SHARD_ALIGN_ELEMENTS = 8
 
 def shardable(buckets: Sequence[Bucket], world_size: int) -> bool:
     """Whether every bucket splits into ``world_size`` equal parts of a multiple of
-    :data:`SHARD_ALIGN_ELEMENTS` elements (true for world sizes that are powers of two up to 16)."""
+    :data:`SHARD_ALIGN_ELEMENTS` elements (true for world sizes that are powers of two up to 8, up
+    to 16 for fp16 / bf16 buffers)."""
     return world_size >= 2 and all((bk.end - bk.start) % (world_size * SHARD_ALIGN_ELEMENTS) == 0 for bk in buckets)
 
 
