@@ -154,3 +154,15 @@ def checkpoint_optimizer_tensors(state) -> dict:
     """{(parameter index, key): tensor} of a checkpoint's optimizer state."""
     opt = state["last_optimizer_state"]["state"]
     return {(i, k): v for i, entry in opt.items() for k, v in entry.items() if torch.is_tensor(v)}
+
+
+def assert_same_checkpoint_state(path_a, path_b):
+    """The two checkpoints hold the same weights and the same optimizer state, bit for bit."""
+    a, b = load_checkpoint(str(path_a)), load_checkpoint(str(path_b))
+    assert sorted(a["model"]) == sorted(b["model"])
+    for k in b["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    ta, tb = checkpoint_optimizer_tensors(a), checkpoint_optimizer_tensors(b)
+    assert sorted(ta) == sorted(tb) and len(tb) > 0
+    for k in tb:
+        assert torch.equal(ta[k], tb[k]), k

@@ -109,7 +109,12 @@ def _loss(model, rank, update, micro, use_extra):
     return model(x, use_extra, reentrant_checkpoint=update in (2, 3)).pow(2).sum() * (rank + 1)
 
 
-def _worker(rank, port, out_dir):
+def _replicas(rank, port):
+    """Join the two-rank gloo group; two identical _Net replicas, each with ls_adam (256-byte buckets):
+    ``net`` under fairseq's legacy DDP wrapper, ``ref`` bare. Returns SimpleNamespace(net, ref, ddp,
+    wrapped, opt, ref_opt, names)."""
+    from types import SimpleNamespace
+
     import ls_fairseq.fairseq_ext  # noqa: F401
     from fairseq.distributed import ModuleProxyWrapper
     from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
@@ -118,15 +123,20 @@ def _worker(rank, port, out_dir):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
+    cfg = LSAdamConfig(lr=[0.01], adam_betas="(0.9, 0.98)", bucket_cap_mb=256 / 2**20)
+    net, ref = _Net(), _Net()
+    ddp = LegacyDistributedDataParallel(net, process_group=dist.group.WORLD)
+    return SimpleNamespace(net=net, ref=ref, ddp=ddp, wrapped=ModuleProxyWrapper(ddp),
+                           opt=LSFairseqAdam(cfg, list(net.parameters())),
+                           ref_opt=LSFairseqAdam(cfg, list(ref.parameters())),
+                           names=[n for n, _ in net.named_parameters()])
+
+
+def _worker(rank, port, out_dir):
+    r = _replicas(rank, port)
+    net, ref, ddp, wrapped, opt, ref_opt, names = r.net, r.ref, r.ddp, r.wrapped, r.opt, r.ref_opt, r.names
     out = {"mismatch": [], "rounds": []}
     try:
-        cfg = LSAdamConfig(lr=[0.01], adam_betas="(0.9, 0.98)", bucket_cap_mb=256 / 2**20)  # 256-byte buckets
-        net, ref = _Net(), _Net()
-        ddp = LegacyDistributedDataParallel(net, process_group=dist.group.WORLD)
-        wrapped = ModuleProxyWrapper(ddp)
-        opt = LSFairseqAdam(cfg, list(net.parameters()))
-        ref_opt = LSFairseqAdam(cfg, list(ref.parameters()))
-        names = [n for n, _ in net.named_parameters()]
         # update-freq 1 and 2; `extra` is used on rank 0 only, and in update 4 on neither; updates 2
         # and 3 run the middle layers under a reentrant activation checkpoint
         for update, freq in enumerate([1, 2, 1, 2, 1, 1]):

@@ -2,7 +2,6 @@
 ls_fairseq.optim.overlap): two gloo processes on the CPU train one replica sharded and one with the whole
 state and the synchronous all-reduce; weights, norms and the consolidated state must agree."""
 
-import datetime
 import os
 from types import SimpleNamespace
 
@@ -14,8 +13,8 @@ from ls_fairseq.optim.adam import LSAdam
 from ls_fairseq.optim.overlap import bucket_order, shardable
 from ls_fairseq.optim.workspace import FlatWorkspace
 
-from _models import checkpoint_optimizer_tensors, load_checkpoint, two_rank_results
-from test_overlap import _Net, _loss
+from _models import assert_same_checkpoint_state, two_rank_results
+from test_overlap import _loss, _replicas
 
 
 def test_shardable_needs_equal_aligned_parts():
@@ -74,24 +73,11 @@ def _same(a, b):
 
 
 def _worker(rank, port, out_dir):
-    import ls_fairseq.fairseq_ext  # noqa: F401
-    from fairseq.distributed import ModuleProxyWrapper
-    from fairseq.distributed.legacy_distributed_data_parallel import LegacyDistributedDataParallel
-
-    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    r = _replicas(rank, port)
+    net, ref, wrapped, opt, ref_opt, names = r.net, r.ref, r.wrapped, r.opt, r.ref_opt, r.names
     out = {"mismatch": [], "norms": [], "sharded": []}
     try:
-        cfg = LSAdamConfig(lr=[0.01], adam_betas="(0.9, 0.98)", bucket_cap_mb=256 / 2**20)  # 256-byte buckets
-        net, ref = _Net(), _Net()
-        ddp = LegacyDistributedDataParallel(net, process_group=dist.group.WORLD)
-        wrapped = ModuleProxyWrapper(ddp)
-        opt = LSFairseqAdam(cfg, list(net.parameters()))
         opt.request_sharding()
-        ref_opt = LSFairseqAdam(cfg, list(ref.parameters()))
-        names = [n for n, _ in net.named_parameters()]
         for update, freq in enumerate([1, 2, 1, 1, 2, 1]):
             use_extra = rank == 0 and update != 4
             opt.zero_grad()
@@ -201,13 +187,7 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
         for k in ("loss", "nll_loss", "gnorm", "wpb"):
             assert runs["sharded"][u][k] == runs["whole"][u][k], (u, k)
     # the toy epoch is 3 updates on two ranks: checkpoint_last.pt was written at updates 3 and 6
-    a, b = (load_checkpoint(str(tmp_path / name / "checkpoint_last.pt")) for name in ("sharded", "whole"))
-    for k in b["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    ta, tb = checkpoint_optimizer_tensors(a), checkpoint_optimizer_tensors(b)
-    assert sorted(ta) == sorted(tb) and len(tb) > 0
-    for k in tb:
-        assert torch.equal(ta[k], tb[k]), k
+    assert_same_checkpoint_state(*(tmp_path / name / "checkpoint_last.pt" for name in ("sharded", "whole")))
 
     # resume the sharded run on two ranks, and on one process with --update-freq 2 (the same batches)
     import shutil

@@ -9,13 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests._models import (
-    checkpoint_optimizer_tensors,
-    lightseq_train_two_ranks,
-    load_checkpoint,
-    run_checked,
-    train_inner_records,
-)
+from tests._models import assert_same_checkpoint_state, lightseq_train_two_ranks, run_checked, train_inner_records
 from tests.test_end_to_end import ROOT, TRAIN_FLAGS, _params, data_bin  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.gpu
@@ -85,13 +79,7 @@ def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, pre
         for k in ("loss", "nll_loss", "wpb", "loss_scale"):
             assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
         assert float(a[u]["gnorm"]) == pytest.approx(float(b[u]["gnorm"]), rel=1e-3)
-    ca, cb = (load_checkpoint(str(tmp_path / n / "checkpoint_last.pt")) for n in ("sharded", "whole"))
-    for k in cb["model"]:
-        assert torch.equal(ca["model"][k], cb["model"][k]), k
-    ta, tb = checkpoint_optimizer_tensors(ca), checkpoint_optimizer_tensors(cb)
-    assert sorted(ta) == sorted(tb) and len(tb) > 0
-    for k in tb:
-        assert torch.equal(ta[k], tb[k]), k
+    assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("sharded", "whole")))
 
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
