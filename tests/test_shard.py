@@ -110,7 +110,7 @@ def _worker(rank, port, out_dir):
                 with torch.no_grad():
                     for p, q in zip(net.parameters(), ref.parameters()):
                         q.copy_(p)
-                opt.consolidate_state_dict()
+                opt.optimizer.consolidate_state_dict()  # as fairseq's Trainer.consolidate_optimizer does
                 ref_opt.load_state_dict(opt.state_dict())
         # the whole state only after consolidation, and then equal to the unsharded optimizer's
         try:
@@ -118,7 +118,7 @@ def _worker(rank, port, out_dir):
             out["stale_read"] = "allowed"
         except RuntimeError as e:
             out["stale_read"] = str(e)
-        opt.consolidate_state_dict()
+        opt.optimizer.consolidate_state_dict()
         got, want = opt.state_dict(), ref_opt.state_dict()
         out["state_equal"] = all(
             _same(got["state"][i][k], v) for i, entry in want["state"].items() for k, v in entry.items()

@@ -174,9 +174,6 @@ class LSFairseqAdam(FairseqOptimizer):
 
                 self._gather_waits = GatherWaits(self._optimizer, ddp.module)
 
-    def consolidate_state_dict(self):
-        self._optimizer.consolidate_state_dict()
-
     def _flat_all_reduce_applies(self, ddp) -> bool:
         """Whether ``ddp``'s trainable parameters all live in our flat workspace (on one device,
         no MoE experts). The parameter sets do not change during training: decided once per wrapper

@@ -171,8 +171,7 @@ class OverlappedReducer:
                 raise ValueError(f"overlapped reduce-scatter: the buckets do not split into {world_size} equal, "
                                  "aligned parts (see shardable())")
             self.rank = dist.get_rank(process_group)
-        self._own = [bk.flat[slice(*(o - bk.start for o in bk.own(self.rank, world_size)))]
-                     for bk in self.buckets] if shard else None
+        self._own = [bk.buffer.grad[slice(*bk.own(self.rank, world_size))] for bk in self.buckets] if shard else None
         # one slot per (buffer, parameter), numbered bucket by bucket
         self._slots: List[Tuple[FlatBuffer, int, int]] = []  # slot -> (buffer, index, bucket)
         self._sizes = []
@@ -252,21 +251,7 @@ class OverlappedReducer:
         buffer (one multi-tensor copy; zero without a gradient), divide the range by the world size
         in one kernel, and make every ``p.grad`` its view (the tensors autograd produced are freed)."""
         bk = self.buckets[n]
-        buf = bk.buffer
-        dst, src, zero = [], [], []
-        for i in bk.members:
-            p, view = buf.params[i], buf.grad_view(i)
-            g = p.grad
-            if g is None:
-                zero.append(view)
-            elif g.data_ptr() != view.data_ptr() or g.dtype != view.dtype:
-                dst.append(view)
-                src.append(g.to_dense() if g.is_sparse else g)
-            p.grad = view
-        if dst:
-            torch._foreach_copy_(dst, src)
-        if zero:
-            torch._foreach_zero_(zero)
+        bk.buffer.adopt_grads(bk.members)
         bk.flat.div_(self.world_size)
 
     def _launch_ready(self, r: _Round) -> int:

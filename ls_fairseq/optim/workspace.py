@@ -125,9 +125,9 @@ class FlatBuffer:
         fresh tensor that autograd handed over without an accumulation kernel.
         """
         repaired = 0
-        base_p, base_g = self.param.data_ptr(), self.grad.data_ptr()
+        base_p = self.param.data_ptr()
         esize = self.param.element_size()
-        copy_dst, copy_src, zero_dst = [], [], []
+        pending = ([], [], [])  # copy destinations, copy sources, slices to zero
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 o, k = self.offsets[i]
@@ -150,24 +150,47 @@ class FlatBuffer:
                     # written in place from outside (e.g. Module.load_state_dict): refresh the master
                     self.master[o:o + k].copy_(self.param[o:o + k])
                     fixed = True
-                g = p.grad
-                if g is None or g.data_ptr() != base_g + o * esize or g.dtype != self.dtype:
-                    view = self.grad_view(i)
-                    if keep_grads:
-                        if g is None:
-                            zero_dst.append(view)
-                        else:
-                            copy_dst.append(view)
-                            copy_src.append(g.to_dense() if g.is_sparse else g)
-                    p.grad = view
+                if self._adopt_grad(i, pending if keep_grads else None):
                     fixed = True
                 self._versions[i] = p._version
                 repaired += int(fixed)
-            if copy_dst:
-                torch._foreach_copy_(copy_dst, copy_src)
-            if zero_dst:
-                torch._foreach_zero_(zero_dst)
+            self._write(pending)
         return repaired
+
+    @torch.no_grad()
+    def adopt_grads(self, indices) -> None:
+        """Make ``p.grad`` of every parameter in ``indices`` its view of the flat buffer: a gradient
+        tensor that is not the view is copied in (one multi-tensor copy for all), a missing one
+        zeroes its slice."""
+        pending = ([], [], [])
+        for i in indices:
+            self._adopt_grad(i, pending)
+        self._write(pending)
+
+    def _adopt_grad(self, i: int, pending) -> bool:
+        """Attach parameter i's gradient view unless ``p.grad`` already is it; with ``pending``
+        (copy destinations, copy sources, slices to zero) queue what keeps its value. Returns whether
+        the view had to be attached."""
+        p = self.params[i]
+        g, view = p.grad, self.grad_view(i)
+        if g is not None and g.data_ptr() == view.data_ptr() and g.dtype == self.dtype:
+            return False
+        if pending is not None:
+            if g is None:
+                pending[2].append(view)
+            else:
+                pending[0].append(view)
+                pending[1].append(g.to_dense() if g.is_sparse else g)
+        p.grad = view
+        return True
+
+    @staticmethod
+    def _write(pending):
+        copy_dst, copy_src, zero_dst = pending
+        if copy_dst:
+            torch._foreach_copy_(copy_dst, copy_src)
+        if zero_dst:
+            torch._foreach_zero_(zero_dst)
 
     def mark_params_written(self):
         """Record parameter versions after the optimizer wrote the buffers itself."""
