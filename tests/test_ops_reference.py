@@ -331,6 +331,27 @@ def test_adam_device_grad_scale_is_multiplied_in_and_nonfinite_skips():
     with pytest.raises(ValueError, match="grad_scale_tensor"):
         ops.adam_(a[0], g, a[1], a[2], grad_scale_tensor=torch.ones(2), **hp)
 
+
+def test_adam_peer_copy_gets_the_new_weights_unless_skipped():
+    n = 257
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-6, weight_decay=0.0)
+    g = rnd(n, seed=5, dtype=torch.float32)
+    p, m, v = rnd(n, seed=6, dtype=torch.float32), torch.zeros(n), torch.zeros(n)
+    lp, peer = torch.zeros(n, dtype=torch.float16), torch.zeros(n, dtype=torch.float16)
+    ops.adam_(p, g, m, v, step=1, param_lp=lp, param_lp_peer=peer, **hp)
+    assert torch.equal(peer, p.half()) and torch.equal(peer, lp)
+    before = peer.clone()
+    ops.adam_(p, g, m, v, step=2, param_lp=lp, param_lp_peer=peer, grad_scale_tensor=torch.tensor(float("nan")), **hp)
+    assert torch.equal(peer, before)
+    fp32_peer = torch.zeros(n)  # without param_lp the peer copy is fp32, like the master
+    ops.adam_(p, g, m, v, step=2, param_lp_peer=fp32_peer, **hp)
+    assert torch.equal(fp32_peer, p)
+    with pytest.raises(ValueError, match="param_lp_peer must be torch.float32"):
+        ops.adam_(p, g, m, v, step=3, param_lp_peer=peer, **hp)
+    with pytest.raises(ValueError, match="param_lp_peer has 256 elements"):
+        ops.adam_(p, g, m, v, step=3, param_lp=lp, param_lp_peer=peer[1:], **hp)
+
+
 def test_grad_norm():
     g = rnd(1031, seed=1, dtype=torch.float16)
     n = ops.grad_norm(g)

@@ -4,7 +4,10 @@
 // into one factor); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; bias corrections bc_i = 1 - b_i^step.
 //   fairseq mode: p = p - wd * lr * p;  p = p - (lr * sqrt(bc2) / bc1) * m / (sqrt(v) + eps)
 //   torch mode:   p = p * (1 - lr * wd); p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-// param_lp (optional) receives p rounded to its dtype in the same pass. When `norm` is given and not
+// param_lp (optional) receives p rounded to its dtype in the same pass; param_lp_peer (optional, the same
+// range of another GPU's copy, mapped peer-to-peer) receives the same values: a data-parallel rank that
+// owns this range writes it on every rank in one pass (its stores are fenced at system scope before the
+// kernel ends; the caller orders them before the peer's next read). When `norm` is given and not
 // finite, the kernel writes nothing: the step is skipped on the device, without a host sync.
 // `scale_dev` (optional, device fp32 scalar) multiplies grad_scale, read on the device: a factor that
 // is only known there (loss scale, clip coefficient) needs no host sync; a non-finite factor also
@@ -33,8 +36,9 @@ __device__ __forceinline__ void adam_one(float& p, float g_raw, float& m, float&
 
 template <typename G, typename L, bool VEC>
 __global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
-                            float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, int64_t n, AdamCoef c,
-                            const float* __restrict__ norm, const float* __restrict__ scale_dev) {
+                            float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer,
+                            int64_t n, AdamCoef c, const float* __restrict__ norm,
+                            const float* __restrict__ scale_dev) {
   if (norm != nullptr && !isfinite(*norm)) return;
   if (scale_dev != nullptr) {
     const float s = *scale_dev;
@@ -67,15 +71,15 @@ __global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ gra
       reinterpret_cast<float4*>(param)[q] = p;
       reinterpret_cast<float4*>(exp_avg)[q] = m;
       reinterpret_cast<float4*>(exp_avg_sq)[q] = v;
-      if (param_lp != nullptr) {
-        if constexpr (sizeof(L) == 4) {
-          reinterpret_cast<float4*>(param_lp)[q] = p;
-        } else {
-          uint2 t;
-          L* h = reinterpret_cast<L*>(&t);
-          h[0] = from_f<L>(p.x); h[1] = from_f<L>(p.y); h[2] = from_f<L>(p.z); h[3] = from_f<L>(p.w);
-          reinterpret_cast<uint2*>(param_lp)[q] = t;
-        }
+      if constexpr (sizeof(L) == 4) {
+        if (param_lp != nullptr) reinterpret_cast<float4*>(param_lp)[q] = p;
+        if (param_lp_peer != nullptr) reinterpret_cast<float4*>(param_lp_peer)[q] = p;
+      } else {
+        uint2 t;
+        L* h = reinterpret_cast<L*>(&t);
+        h[0] = from_f<L>(p.x); h[1] = from_f<L>(p.y); h[2] = from_f<L>(p.z); h[3] = from_f<L>(p.w);
+        if (param_lp != nullptr) reinterpret_cast<uint2*>(param_lp)[q] = t;
+        if (param_lp_peer != nullptr) reinterpret_cast<uint2*>(param_lp_peer)[q] = t;
       }
     }
     done = n4 * 4;
@@ -87,28 +91,33 @@ __global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ gra
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if (param_lp != nullptr) param_lp[i] = from_f<L>(p);
+    if (param_lp_peer != nullptr) param_lp_peer[i] = from_f<L>(p);
   }
+  if (param_lp_peer != nullptr) __threadfence_system();
 }
 
 template <typename G, typename L>
-static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, int64_t n, const AdamCoef& c,
-                        const float* norm, const float* scale_dev, cudaStream_t stream) {
+static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, void* peer, int64_t n,
+                        const AdamCoef& c, const float* norm, const float* scale_dev, cudaStream_t stream) {
   const int threads = 256;
   const int blocks = (int)std::max<int64_t>(1, std::min<int64_t>((n / 4 + threads - 1) / threads, (int64_t)num_sms() * 8));
   const bool vec = aligned16(param) && aligned16(m) && aligned16(v) && ((uintptr_t)grad % (4 * sizeof(G)) == 0) &&
-                   (lp == nullptr || (uintptr_t)lp % (4 * sizeof(L)) == 0);
+                   (lp == nullptr || (uintptr_t)lp % (4 * sizeof(L)) == 0) &&
+                   (peer == nullptr || (uintptr_t)peer % (4 * sizeof(L)) == 0);
   if (vec)
     adam_kernel<G, L, true><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                            static_cast<L*>(lp), n, c, norm, scale_dev);
+                                                            static_cast<L*>(lp), static_cast<L*>(peer), n, c,
+                                                            norm, scale_dev);
   else
     adam_kernel<G, L, false><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                             static_cast<L*>(lp), n, c, norm, scale_dev);
+                                                             static_cast<L*>(lp), static_cast<L*>(peer), n, c,
+                                                             norm, scale_dev);
   LS_CHECK_LAUNCH("adam_step", stream);
 }
 
 void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
-               void* param_lp, int64_t n, AdamArgs a, const float* norm, const float* scale_dev,
-               cudaStream_t stream) {
+               void* param_lp, void* param_lp_peer, int64_t n, AdamArgs a, const float* norm,
+               const float* scale_dev, cudaStream_t stream) {
   if (n <= 0) return;
   const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
   const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
@@ -124,7 +133,8 @@ void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float
     c.inv_sqrt_bc2 = 1.f;
   }
   LS_DISPATCH(grad_dt, G, {
-    LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, n, c, norm, scale_dev, stream));
+    LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, n, c, norm,
+                                                     scale_dev, stream));
   });
 }
 

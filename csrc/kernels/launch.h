@@ -112,12 +112,13 @@ struct AdamArgs {
   int64_t step;
   bool torch_mode;  // false: fairseq's Adam, true: torch.optim.AdamW
 };
-// In-place update; param_lp (nullable) of lp_dt receives the new param. If norm (nullable, device
+// In-place update; param_lp (nullable) of lp_dt receives the new param, and so does param_lp_peer (nullable,
+// of lp_dt: a peer GPU's copy of the same range, written with system-scope fenced stores). If norm (nullable, device
 // fp32 scalar) is not finite, nothing is written (the step is skipped on the device). scale_dev (nullable,
 // device fp32 scalar) multiplies args.grad_scale on the device; a non-finite value also skips the step.
 void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
-               void* param_lp, int64_t n, AdamArgs args, const float* norm, const float* scale_dev,
-               cudaStream_t stream);
+               void* param_lp, void* param_lp_peer, int64_t n, AdamArgs args, const float* norm,
+               const float* scale_dev, cudaStream_t stream);
 int64_t grad_norm_workspace();
 // out = ||grad||_2 (fp32 scalar); inf/NaN propagate. Deterministic (two fixed-shape passes).
 void grad_norm(DType dt, const void* grad, int64_t n, float* workspace, float* out, cudaStream_t stream);

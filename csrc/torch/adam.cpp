@@ -16,7 +16,7 @@ static const float* device_scalar(const char* op, const char* name, const OptTen
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
                int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite,
-               const OptTensor& grad_scale_tensor) {
+               const OptTensor& grad_scale_tensor, const OptTensor& param_lp_peer) {
   const char* op = "adam_step";
   const int64_t n = param.numel();
   for (const Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
@@ -36,6 +36,14 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
     LS_CHECK(param_lp->numel() == n, op, ": param_lp has ", param_lp->numel(), " elements, param has ", n);
     ldt = to_dtype(op, *param_lp);
   }
+  if (present(param_lp_peer)) {  // a peer GPU's copy, mapped into this device's address space
+    LS_CHECK_INPUT(op, *param_lp_peer);
+    LS_CHECK_SAME_DEVICE(op, param, *param_lp_peer);
+    LS_CHECK(param_lp_peer->numel() == n, op, ": param_lp_peer has ", param_lp_peer->numel(),
+             " elements, param has ", n);
+    LS_CHECK(to_dtype(op, *param_lp_peer) == ldt, op, ": param_lp_peer must have ",
+             present(param_lp) ? param_lp->scalar_type() : at::kFloat, ", got ", param_lp_peer->scalar_type());
+  }
   const float* norm = device_scalar(op, "skip_if_nonfinite", skip_if_nonfinite, param);
   const float* scale_dev = device_scalar(op, "grad_scale_tensor", grad_scale_tensor, param);
   c10::cuda::CUDAGuard guard(param.device());
@@ -43,8 +51,8 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
                  torch_mode};
   launch(op, [&] {
     ls::adam_step(gdt, ldt, param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
-                  exp_avg_sq.data_ptr<float>(), present(param_lp) ? param_lp->data_ptr() : nullptr, n, a, norm,
-                  scale_dev, stream());
+                  exp_avg_sq.data_ptr<float>(), present(param_lp) ? param_lp->data_ptr() : nullptr,
+                  present(param_lp_peer) ? param_lp_peer->data_ptr() : nullptr, n, a, norm, scale_dev, stream());
   });
 }
 

@@ -18,7 +18,9 @@ It works under every fairseq precision mode:
 Sharded state. On several GPUs, once :meth:`LSFairseqAdam.request_sharding` was called (the
 deferred step of ``lightseq-train`` does with ``LS_FAIRSEQ_SHARD_ADAM=1``; by default every rank
 keeps the whole state), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
-only its own part of the state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`).
+only its own part of the state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`). On
+two GPUs the update kernel writes the new weights into both GPUs' copies instead, through PyTorch
+symmetric memory (:mod:`ls_fairseq.optim.peer`; ``LS_FAIRSEQ_SHARD_P2P=0`` keeps the all-gathers).
 Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before
 saving, so they load on any number of GPUs. For models that allow it (``ls_gather_waits``, as
 ls_transformer), the all-gathers of the new weights overlap the next forward pass, which waits
@@ -165,11 +167,16 @@ class LSFairseqAdam(FairseqOptimizer):
         self._reducer = reducer = OverlappedReducer(
             self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=bucket_bytes, shard=shard)
         if shard:
+            from ls_fairseq.optim.peer import map_peer_weights
+
             # the gradients of this update were all-reduced whole: the step may already be sharded
-            self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group)
-            logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, then an "
-                        "all-gather of the weights)", ddp.world_size, ddp.world_size)
-            if getattr(ddp.module, "ls_gather_waits", False) and os.environ.get("LS_FAIRSEQ_GATHER_WAITS") != "0":
+            peers = map_peer_weights(self._optimizer.workspaces, reducer.rank, ddp.world_size, group)
+            self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group, peers=peers)
+            logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, %s)",
+                        ddp.world_size, ddp.world_size,
+                        "writing the new weights on both GPUs" if peers else "then an all-gather of the weights")
+            if peers is None and getattr(ddp.module, "ls_gather_waits", False) \
+                    and os.environ.get("LS_FAIRSEQ_GATHER_WAITS") != "0":
                 from ls_fairseq.optim.gather_waits import GatherWaits
 
                 self._gather_waits = GatherWaits(self._optimizer, ddp.module)

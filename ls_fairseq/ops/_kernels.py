@@ -176,13 +176,13 @@ def _register():
     def _(logits, target, lse, g_loss, g_nll, epsilon, ignore_index):
         return _empty(logits, logits.shape)
 
-    @op(f"{_LIB}::adam_step", mutates_args=("param", "exp_avg", "exp_avg_sq", "param_lp"))
+    @op(f"{_LIB}::adam_step", mutates_args=("param", "exp_avg", "exp_avg_sq", "param_lp", "param_lp_peer"))
     def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param_lp: Optional[Tensor],
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                   grad_scale: float, torch_mode: bool, skip_if_nonfinite: Optional[Tensor],
-                  grad_scale_tensor: Optional[Tensor]) -> None:
+                  grad_scale_tensor: Optional[Tensor], param_lp_peer: Optional[Tensor]) -> None:
         _mod().adam_step(param, grad, exp_avg, exp_avg_sq, param_lp, lr, beta1, beta2, eps, weight_decay, step,
-                         grad_scale, torch_mode, skip_if_nonfinite, grad_scale_tensor)
+                         grad_scale, torch_mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer)
 
     @adam_step.register_fake
     def _(*args):

@@ -33,6 +33,13 @@ from the norm) is passed as ``grad_scale_tensor`` (0-dim fp32 tensor): the gradi
 multiplied by ``grad_scale * grad_scale_tensor``, read by the kernel, and a non-finite
 ``grad_scale_tensor`` skips the step like ``skip_if_nonfinite`` does. No host sync either way.
 The fused path is one launch for the update and two small ones for the norm.
+
+``param_lp_peer``: another copy of the weights that receives exactly what ``param_lp`` receives (fp32
+when there is no ``param_lp``). A data-parallel rank that owns a range of the optimizer state passes the
+same range of a peer GPU's weights, mapped into this device's address space (PyTorch symmetric memory):
+the kernel writes the new weights on both GPUs in the same pass, so no all-gather follows. The caller
+orders these writes before the peer reads the weights (a collective on both ranks' streams after the
+step).
 """
 
 import math
@@ -46,7 +53,8 @@ MODES = ("fairseq", "torch")
 
 
 def adam_reference_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                    grad_scale=1.0, param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None):
+                    grad_scale=1.0, param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None,
+                    param_lp_peer=None):
     if skip_if_nonfinite is not None and not bool(torch.isfinite(skip_if_nonfinite)):
         return
     if grad_scale_tensor is not None:
@@ -73,45 +81,57 @@ def adam_reference_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, 
         param.addcdiv_(exp_avg, denom, value=-lr / bc1)
     if param_lp is not None:
         param_lp.copy_(param)
+    if param_lp_peer is not None:
+        param_lp_peer.copy_(param)
 
 
-def _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step):
+def _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer=None):
     if mode not in MODES:
         raise ValueError(f"adam mode must be one of {MODES}, got {mode!r}")
     if step < 1:
         raise ValueError(f"adam step must be >= 1, got {step}")
     n = param.numel()
-    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("param_lp", param_lp)):
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("param_lp", param_lp),
+                    ("param_lp_peer", param_lp_peer)):
         if t is not None and t.numel() != n:
             raise ValueError(f"adam: {name} has {t.numel()} elements, param has {n}")
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32:
             raise ValueError(f"adam: {name} must be float32 (master state), got {t.dtype}")
+    if param_lp_peer is not None:
+        want = param_lp.dtype if param_lp is not None else torch.float32
+        if param_lp_peer.dtype != want:
+            raise ValueError(f"adam: param_lp_peer must be {want} (what param_lp receives), got {param_lp_peer.dtype}")
+        if param_lp_peer.device != param.device:
+            raise ValueError(f"adam: param_lp_peer is on {param_lp_peer.device}, param on {param.device} (a peer "
+                             "GPU's weights must be mapped into param's device)")
 
 
 def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
-          param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None):
-    """In-place update of param, exp_avg, exp_avg_sq (and param_lp).
+          param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None):
+    """In-place update of param, exp_avg, exp_avg_sq (and param_lp, param_lp_peer).
 
     ``skip_if_nonfinite``: optional 0-dim fp32 tensor (e.g. :func:`grad_norm`'s result); when it is
     inf/NaN nothing is updated (checked on the device by the fused kernel).
     ``grad_scale_tensor``: optional one-element fp32 tensor on param's device, multiplied into
     ``grad_scale`` on the device; when it is inf/NaN nothing is updated.
     """
-    _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step)
+    _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer)
     if grad_scale_tensor is not None:
         if not torch.is_tensor(grad_scale_tensor) or grad_scale_tensor.numel() != 1:
             raise ValueError("adam: grad_scale_tensor must be a one-element tensor")
         if grad_scale_tensor.device != param.device:
             raise ValueError(f"adam: grad_scale_tensor is on {grad_scale_tensor.device}, param on {param.device}")
-    mod = kernel_module("adam", param, grad, exp_avg, exp_avg_sq, param_lp, skip_if_nonfinite, grad_scale_tensor)
-    flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, param_lp))
+    mod = kernel_module("adam", param, grad, exp_avg, exp_avg_sq, param_lp, skip_if_nonfinite, grad_scale_tensor,
+                        param_lp_peer)
+    flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, param_lp, param_lp_peer))
     if mod is not None and flat:
         return _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step,
-                      grad_scale, param_lp, mode, skip_if_nonfinite, grad_scale_tensor)
+                      grad_scale, param_lp, mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer)
     return adam_reference_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_lp=param_lp,
-                           mode=mode, skip_if_nonfinite=skip_if_nonfinite, grad_scale_tensor=grad_scale_tensor)
+                           mode=mode, skip_if_nonfinite=skip_if_nonfinite, grad_scale_tensor=grad_scale_tensor,
+                           param_lp_peer=param_lp_peer)
 
 
 def grad_norm_reference(grad):
@@ -127,14 +147,14 @@ def grad_norm(grad):
 
 
 def _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale, param_lp,
-           mode, skip_if_nonfinite=None, grad_scale_tensor=None):  # kernel slot
+           mode, skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None):  # kernel slot
     norm = factor = None
     if skip_if_nonfinite is not None:
         norm = skip_if_nonfinite.detach().float().reshape(()).contiguous()
     if grad_scale_tensor is not None:
         factor = grad_scale_tensor.detach().float().reshape(()).contiguous()
     call("adam_step", param, grad.contiguous(), exp_avg, exp_avg_sq, param_lp, float(lr), float(beta1), float(beta2),
-         float(eps), float(weight_decay), int(step), float(grad_scale), mode == "torch", norm, factor)
+         float(eps), float(weight_decay), int(step), float(grad_scale), mode == "torch", norm, factor, param_lp_peer)
 
 
 def _fused_norm(mod, grad):  # kernel slot

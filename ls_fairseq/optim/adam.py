@@ -25,7 +25,8 @@ owned parts hold the average. :meth:`grad_norm` sums the squares of the owned pa
 all-reduces that one number; :meth:`step` runs Adam on the owned parts, then all-gathers the
 weights each bucket at a time (the fp16 / bf16 copy, or the fp32 weights themselves), so every
 rank ends the step with all the new weights while it read and wrote only 1/W of the optimizer
-state. The other parts of the master weights and moments go stale on this rank.
+state. With two ranks and peer-mapped weights (``shard_(..., peers=...)``) there is no all-gather: the
+update kernel writes each owned part into the other GPU's weights as well. The other parts of the master weights and moments go stale on this rank.
 :meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
 a checkpoint) all-gathers them; :meth:`state_dict` refuses to return stale state.
 
@@ -204,9 +205,13 @@ class LSAdam(torch.optim.Optimizer):
                     continue
                 lp = buf.param_lp
                 defer = self._shard.defer
+                peer = self._shard.peers.get(id(buf)) if self._shard.peers else None
                 for start, end, lo, hi in parts:
                     adam_(buf.master[lo:hi], buf.grad[lo:hi], buf.exp_avg[lo:hi], buf.exp_avg_sq[lo:hi],
-                          param_lp=None if lp is None else lp[lo:hi], **kw)
+                          param_lp=None if lp is None else lp[lo:hi],
+                          param_lp_peer=None if peer is None else peer[lo:hi], **kw)
+                    if peer is not None:
+                        continue  # the kernel wrote this part on the peer too
                     # the new weights of this bucket go out while Adam runs on the next one
                     work = dist.all_gather_into_tensor(buf.param[start:end], buf.param[lo:hi],
                                                        group=self._shard.group, async_op=True)
@@ -218,6 +223,9 @@ class LSAdam(torch.optim.Optimizer):
             for w in works:
                 w.wait()  # NCCL: the current stream waits; the host does not
             ws.mark_params_written()
+        if self._shard is not None and self._shard.peers:
+            # the peer's stores into our weights are done once its stream reaches this collective
+            dist.all_reduce(self._shard.flag, group=self._shard.group)
         self._grad_factor = 1.0
         return loss
 
@@ -248,12 +256,17 @@ class LSAdam(torch.optim.Optimizer):
     def sharded(self) -> bool:
         return self._shard is not None
 
-    def shard_(self, buckets: Sequence, rank: int, world_size: int, group=None) -> None:
+    def shard_(self, buckets: Sequence, rank: int, world_size: int, group=None, peers=None) -> None:
         """Keep the optimizer state sharded over ``world_size`` data-parallel ranks from the next
         :meth:`step` on: this rank owns part ``rank`` of every bucket (``bucket.own(rank,
         world_size)``, see :class:`~ls_fairseq.optim.overlap.Bucket`). The buckets must tile every
         flat buffer exactly; the gradients handed to the following steps must hold the average at
-        least in the owned parts (a reduce-scatter of these buckets, or a full all-reduce)."""
+        least in the owned parts (a reduce-scatter of these buckets, or a full all-reduce).
+
+        ``peers`` (two ranks; :func:`ls_fairseq.optim.peer.map_peer_weights`): ``{id(buffer): the
+        other rank's copy of that buffer's weights, addressable from this device}``. The update then
+        writes each owned part on both GPUs in the same kernel, and a one-element all-reduce at the
+        end of :meth:`step` replaces the all-gathers."""
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"ls_adam: cannot shard over world size {world_size} as rank {rank}")
         if self._shard is not None:
@@ -273,7 +286,14 @@ class LSAdam(torch.optim.Optimizer):
             for s, e, lo, hi in ranges:
                 if (e - s) != world_size * (hi - lo):
                     raise ValueError(f"ls_adam: bucket [{s}, {e}) does not split into {world_size} equal parts")
-        self._shard = _Shard(rank, world_size, group, parts)
+        if peers:
+            if world_size != 2:
+                raise ValueError(f"ls_adam: peer writes serve two ranks, not {world_size}")
+            for key, t in peers.items():
+                buf = buffers.get(key)
+                if buf is None or t.shape != buf.param.shape or t.dtype != buf.param.dtype:
+                    raise ValueError("ls_adam: a peer weight buffer does not match this optimizer's flat buffers")
+        self._shard = _Shard(rank, world_size, group, parts, peers or None)
 
     def bucket_key(self, p: torch.Tensor):
         """The key of the shard bucket holding parameter ``p`` (what :meth:`wait_gathers` takes), or
@@ -428,8 +448,12 @@ class LSAdam(torch.optim.Optimizer):
 class _Shard:
     """Where this rank's parts lie: ``parts[id(buffer)]`` = [(start, end, lo, hi)] per bucket."""
 
-    __slots__ = ("rank", "world_size", "group", "parts", "defer")
+    __slots__ = ("rank", "world_size", "group", "parts", "defer", "peers", "flag")
 
-    def __init__(self, rank, world_size, group, parts):
+    def __init__(self, rank, world_size, group, parts, peers=None):
         self.rank, self.world_size, self.group, self.parts = rank, world_size, group, parts
         self.defer = False  # leave the step's all-gathers in flight (defer_gathers)
+        self.peers = peers  # id(buffer) -> the peer's weights (the step writes them; no all-gathers)
+        self.flag = None
+        if peers:
+            self.flag = torch.zeros(1, dtype=torch.int32, device=next(iter(peers.values())).device)

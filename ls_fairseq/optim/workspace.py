@@ -196,6 +196,23 @@ class FlatBuffer:
         """Record parameter versions after the optimizer wrote the buffers itself."""
         self._versions = [p._version for p in self.params]
 
+    @torch.no_grad()
+    def move_params_to(self, storage: torch.Tensor) -> None:
+        """Make ``storage`` (same length, dtype and device) the weight buffer: it receives the current
+        weights and every ``p.data`` becomes a view of it (fp32 weights stay their own master)."""
+        if storage.shape != (self.numel,) or storage.dtype != self.dtype or storage.device != self.device:
+            raise ValueError(f"flat workspace: a new weight buffer must be a {self.dtype} vector of {self.numel} "
+                             f"elements on {self.device}, got {storage.dtype} {tuple(storage.shape)} on "
+                             f"{storage.device}")
+        if storage.data_ptr() != self.param.data_ptr():
+            storage.copy_(self.param)
+        if self.master is self.param:
+            self.master = storage
+        self.param = storage
+        for i, p in enumerate(self.params):
+            p.data = self.param_view(i)
+        self._versions = [p._version for p in self.params]
+
 
 class FlatWorkspace:
     """Flat buffers for a list of parameters, one :class:`FlatBuffer` per (device, dtype)."""

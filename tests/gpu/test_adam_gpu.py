@@ -128,3 +128,37 @@ def test_nonfinite_device_grad_scale_skips_the_step(bad):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="grad_scale_tensor"):
         adam_(p, g, m, v, step=1, grad_scale_tensor=torch.ones(2, device="cuda"), **HP)
+
+
+@pytest.mark.parametrize("n", [1031, 1_000_003])
+@pytest.mark.parametrize("lp_dtype", [None, torch.float16, torch.bfloat16], ids=str)
+def test_peer_copy_receives_what_param_lp_receives(n, lp_dtype):
+    """param_lp_peer gets the new weights in the same pass (here a plain buffer on the same GPU stands in
+    for a peer's mapped weights; tests/gpu/test_multi_gpu.py runs the real peer mapping), unaligned too,
+    and nothing when the step is skipped."""
+    torch.manual_seed(n)
+    want = lp_dtype or torch.float32
+    for offset in (0, 1):  # offset 1: the peer range is not 16-byte aligned (the scalar loop)
+        p = torch.randn(n, device="cuda")
+        m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+        lp = None if lp_dtype is None else torch.zeros(n, device="cuda", dtype=lp_dtype)
+        peer = torch.zeros(n + offset, device="cuda", dtype=want)[offset:]
+        g = torch.randn(n, device="cuda", dtype=torch.float16)
+        adam_(p, g, m, v, step=1, param_lp=lp, param_lp_peer=peer, **HP)
+        assert torch.equal(peer, p.to(want)) and (lp is None or torch.equal(peer, lp))
+        before = peer.clone()
+        inf = torch.tensor(float("inf"), device="cuda")
+        adam_(p, g, m, v, step=2, param_lp=lp, param_lp_peer=peer, grad_scale_tensor=inf, **HP)
+        assert torch.equal(peer, before)
+
+
+def test_peer_copy_is_checked():
+    p = torch.randn(64, device="cuda")
+    m, v, g = torch.zeros(64, device="cuda"), torch.zeros(64, device="cuda"), torch.randn(64, device="cuda")
+    lp = p.half()
+    with pytest.raises(ValueError, match="param_lp_peer must be torch.float16"):
+        adam_(p, g, m, v, step=1, param_lp=lp, param_lp_peer=torch.zeros(64, device="cuda"), **HP)
+    with pytest.raises(ValueError, match="param_lp_peer has 63 elements"):
+        adam_(p, g, m, v, step=1, param_lp=lp, param_lp_peer=torch.zeros(63, device="cuda").half(), **HP)
+    with pytest.raises(ValueError, match="param_lp_peer must be torch.float32"):
+        adam_(p, g, m, v, step=1, param_lp_peer=torch.zeros(64, device="cuda").half(), **HP)
