@@ -80,8 +80,16 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     for buf in buffers:
         t = fresh[id(buf)]
         handle = symm_mem.rendezvous(t, group)
-        buf.move_params_to(t)
         peers[id(buf)] = handle.get_buffer(peer, (buf.numel,), t.dtype, 0)
+    mapped = all(v.device == buf.device for buf, v in zip(buffers, peers.values()))
+    ok.fill_(int(mapped))
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if int(ok.item()) == 0:
+        logger.info("ls_adam: sharded weights are all-gathered (the peer's weights are not addressable from "
+                    "this device)")
+        return None
+    for buf in buffers:
+        buf.move_params_to(fresh[id(buf)])
     logger.info("ls_adam: each rank writes its half of the new weights into the other GPU's copy directly "
                 "(%d buffers in symmetric memory)", len(buffers))
     return peers
