@@ -46,6 +46,40 @@ def test_shard_refuses_buckets_that_do_not_tile_the_buffers():
     assert not opt.sharded
 
 
+def test_peer_weights_must_match_the_buffers_and_two_ranks():
+    net = torch.nn.Linear(8, 8)
+    opt = LSAdam(net.parameters(), lr=0.1)
+    (ws,) = opt.workspaces
+    (buf,) = ws.buffers
+    buckets = bucket_order([ws], 1)
+    with pytest.raises(ValueError, match="does not match"):
+        opt.shard_(buckets, 0, 2, peers={id(buf): torch.zeros(buf.numel + 1)})
+    with pytest.raises(ValueError, match="does not match"):
+        opt.shard_(buckets, 0, 2, peers={id(buf): torch.zeros(buf.numel, dtype=torch.float16)})
+    with pytest.raises(ValueError, match="two ranks"):
+        opt.shard_(buckets, 0, 4, peers={id(buf): torch.zeros(buf.numel)})
+    assert not opt.sharded
+
+
+def test_move_params_to_keeps_weights_views_and_master():
+    half = torch.nn.Linear(8, 4).half()
+    both = [torch.nn.Parameter(torch.randn(5, 3)), *half.parameters()]
+    ws = FlatWorkspace(both)
+    f32, f16 = ws.buffers
+    values = [p.detach().clone() for p in both]
+    for buf in (f32, f16):
+        master = buf.master
+        fresh = torch.full((buf.numel,), 7, dtype=buf.dtype)
+        buf.move_params_to(fresh)
+        assert buf.param is fresh
+        assert (buf.master is fresh) if buf.dtype == torch.float32 else (buf.master is master)
+    for p, v, (buf, i) in zip(both, values, (ws.locate(p) for p in both)):
+        assert torch.equal(p.detach(), v) and p.data_ptr() == buf.param_view(i).data_ptr()
+    assert ws.sync() == 0  # the views are intact: nothing to repair
+    with pytest.raises(ValueError, match="vector of"):
+        f16.move_params_to(torch.zeros(f16.numel))  # fp32 storage for fp16 weights
+
+
 def test_crash_checkpoint_gathers_nothing_when_the_state_is_sharded(tmp_path):
     """After an exception on one rank nothing collective may run (the other ranks are elsewhere): with
     sharded state crash.pt is written without the optimizer state, and the setting is restored."""
@@ -181,6 +215,8 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
     with open(tmp_path / "sharded" / "rank0.log") as f:
         log = f.read()
     assert "optimizer state sharded over 2 ranks" in log
+    # peer writes need two CUDA devices: on gloo every rank falls back on the all-gathers together
+    assert "sharded weights are all-gathered (no peer writes: the weights are not on one CUDA device)" in log
     assert "the forward waits for the weights' all-gathers layer by layer (4 layers" in log
     assert sorted(runs["sharded"]) == sorted(runs["whole"]) == [3, 6]
     for u in (3, 6):

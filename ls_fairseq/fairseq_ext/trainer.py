@@ -43,7 +43,8 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   gradient-norm check is evaluated then too;
 * multi-GPU, with ``LS_FAIRSEQ_SHARD_ADAM=1``: ls_adam keeps its state sharded over the ranks
   (:mod:`ls_fairseq.optim.adam`): the gradients are reduce-scattered during the backward, each
-  rank runs Adam on its own part and the weights are all-gathered. The gradient norm is then one
+  rank runs Adam on its own part and the weights are all-gathered (on two GPUs the Adam kernel stores
+  them into both GPUs' copies instead, :mod:`ls_fairseq.optim.peer`). The gradient norm is then one
   all-reduced number, the same on every rank by construction, so fairseq's cross-rank norm check
   is not needed. Checkpoints still hold the whole state. The new weights' all-gathers overlap the
   next forward pass, which waits for each layer's weights in a forward pre-hook; every access to
