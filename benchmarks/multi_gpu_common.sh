@@ -3,6 +3,7 @@
 # ls_adam, fp16, dropout 0 (so the ranks' random streams do not enter the loss comparison),
 # --max-tokens ${MAX_TOKENS:-8192} per GPU batch, no validation, no checkpoints.
 # Defines: OUT, COMMON (flags without --max-update), T (lightseq-train), run NAME CMD... (log to $OUT/NAME.log).
+# Prints benchmarks/machine_check.py's line (also to $OUT/machine.txt).
 set -o pipefail
 OUT=${OUT:-/tmp/ls_scaling}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0 PYTHONPATH=$PWD
@@ -16,3 +17,5 @@ COMMON=(${DATA:-.benchdata/wmt_synth} --task translation -s src -t tgt --arch ls
   --disable-validation --no-save)
 T="python -m ls_fairseq.cli.train"
 run() { local name=$1; shift; "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; }
+# how fast the host and GPUs are right now (MACHINE_CHECK=0 skips it): the lent machines vary a lot
+if [[ "${MACHINE_CHECK:-1}" == 1 ]]; then python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"; fi
