@@ -76,10 +76,10 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
-    peer, peers = 1 - rank, {}
+    peer, peers, handles = 1 - rank, {}, {}
     for buf in buffers:
         t = fresh[id(buf)]
-        handle = symm_mem.rendezvous(t, group)
+        handles[id(buf)] = handle = symm_mem.rendezvous(t, group)
         peers[id(buf)] = handle.get_buffer(peer, (buf.numel,), t.dtype, 0)
     mapped = all(v.device == buf.device for buf, v in zip(buffers, peers.values()))
     ok.fill_(int(mapped))
@@ -89,7 +89,7 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
                     "this device)")
         return None
     for buf in buffers:
-        buf.move_params_to(fresh[id(buf)])
+        buf.move_params_to(fresh[id(buf)], keep_alive=handles[id(buf)])  # the mapping lives as long
     logger.info("ls_adam: each rank writes its half of the new weights into the other GPU's copy directly "
                 "(%d buffers in symmetric memory)", len(buffers))
     return peers

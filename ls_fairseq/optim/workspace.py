@@ -197,9 +197,10 @@ class FlatBuffer:
         self._versions = [p._version for p in self.params]
 
     @torch.no_grad()
-    def move_params_to(self, storage: torch.Tensor) -> None:
+    def move_params_to(self, storage: torch.Tensor, keep_alive=None) -> None:
         """Make ``storage`` (same length, dtype and device) the weight buffer: it receives the current
-        weights and every ``p.data`` becomes a view of it (fp32 weights stay their own master)."""
+        weights and every ``p.data`` becomes a view of it (fp32 weights stay their own master).
+        ``keep_alive``: an object kept as long as this buffer (say, the handle of a peer mapping)."""
         if storage.shape != (self.numel,) or storage.dtype != self.dtype or storage.device != self.device:
             raise ValueError(f"flat workspace: a new weight buffer must be a {self.dtype} vector of {self.numel} "
                              f"elements on {self.device}, got {storage.dtype} {tuple(storage.shape)} on "
@@ -209,6 +210,7 @@ class FlatBuffer:
         if self.master is self.param:
             self.master = storage
         self.param = storage
+        self.storage_owner = keep_alive
         for i, p in enumerate(self.params):
             p.data = self.param_view(i)
         self._versions = [p._version for p in self.params]
