@@ -9,13 +9,15 @@ then stores each new weight twice, in its own copy and in the peer's (``param_lp
 :func:`ls_fairseq.ops.adam_`), in the same pass that reads the optimizer state. A one-element
 all-reduce after the update orders those stores before either rank reads the weights again.
 
-Only for two ranks, each on its own CUDA device of one host, with NCCL. The mapping is set up
+Only for two ranks on one host, each on its own CUDA device, with NCCL. The mapping is set up
 once, collectively; when any rank cannot set it up, no rank uses it and the step all-gathers
 instead. ``LS_FAIRSEQ_SHARD_P2P=0`` turns it off.
 """
 
 import logging
 import os
+import socket
+import zlib
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -67,12 +69,20 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
                 fresh[id(buf)] = t
         except Exception as e:  # noqa: BLE001 - allocation refused: fall back on every rank
             reason, fresh = f"symmetric memory allocation failed ({e})", {}
-    device = buffers[0].device if buffers else torch.device("cpu")
-    ok = torch.tensor([1 if reason is None else 0], dtype=torch.int32,
-                      device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if int(ok.item()) == 0:
-        logger.info("ls_adam: sharded weights are all-gathered (no peer writes: %s)", reason or "another rank cannot")
+    # every rank must be able to, and all on one host: (min of "able", min and max of a host checksum)
+    host = zlib.crc32(socket.gethostname().encode())
+    device = buffers[0].device if reason is None else torch.device("cpu")
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    votes = torch.tensor([int(reason is None), host, -host], dtype=torch.int64, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    able, lo, neg_hi = (int(v) for v in votes.tolist())
+    if reason is None and not able:
+        reason = "another rank cannot"
+    elif reason is None and lo != -neg_hi:
+        reason = "the ranks run on different hosts"
+    if reason is not None:
+        logger.info("ls_adam: sharded weights are all-gathered (no peer writes: %s)", reason)
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -82,7 +92,7 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
         handles[id(buf)] = handle = symm_mem.rendezvous(t, group)
         peers[id(buf)] = handle.get_buffer(peer, (buf.numel,), t.dtype, 0)
     mapped = all(v.device == buf.device for buf, v in zip(buffers, peers.values()))
-    ok.fill_(int(mapped))
+    ok = torch.tensor([int(mapped)], dtype=torch.int32, device=buffers[0].device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if int(ok.item()) == 0:
         logger.info("ls_adam: sharded weights are all-gathered (the peer's weights are not addressable from "
