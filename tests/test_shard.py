@@ -245,41 +245,29 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
 def _vote_worker(rank, port, out_dir):
     """map_peer_weights' agreement on two gloo ranks, with the CUDA-only parts stood in for: every rank
     must be able to map, and all on one host, or none maps."""
+    import logging
     import socket
 
     import torch.distributed._symmetric_memory as symm_mem
 
     from ls_fairseq.optim import peer
+    from test_deferred_step import _Lines
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     symm_mem.empty = lambda n, dtype, device: torch.empty(n, dtype=dtype, device=device)
+    lg, lines = logging.getLogger("ls_fairseq.optim.peer"), _Lines()
+    lg.addHandler(lines)
+    lg.setLevel(logging.INFO)
     got = {}
     for case in ("other_host", "other_rank_cannot"):
         ws = FlatWorkspace([torch.nn.Parameter(torch.randn(10))])
         before = ws.buffers[0].param
         peer._why_not = lambda *a, case=case: "cannot here" if case == "other_rank_cannot" and rank == 1 else None
         socket.gethostname = lambda case=case: f"host{rank}" if case == "other_host" else "host"
-        with _captured_log("ls_fairseq.optim.peer") as lines:
-            got[case] = (peer.map_peer_weights([ws], rank, 2) is None, ws.buffers[0].param is before, lines)
+        lines.lines = []
+        got[case] = (peer.map_peer_weights([ws], rank, 2) is None, ws.buffers[0].param is before, lines.lines)
     dist.destroy_process_group()
     torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-class _captured_log:
-    def __init__(self, name):
-        import logging
-
-        self.logger, self.lines = logging.getLogger(name), []
-        self.handler = logging.Handler()
-        self.handler.emit = lambda record: self.lines.append(record.getMessage())
-
-    def __enter__(self):
-        self.logger.addHandler(self.handler)
-        self.logger.setLevel("INFO")
-        return self.lines
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self.handler)
 
 
 def test_peer_mapping_needs_every_rank_on_one_host(tmp_path):

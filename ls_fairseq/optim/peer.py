@@ -63,10 +63,8 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            for buf in buffers:
-                t = symm_mem.empty(buf.numel, dtype=buf.param.dtype, device=buf.device)
-                t.copy_(buf.param)
-                fresh[id(buf)] = t
+            for buf in buffers:  # filled by move_params_to once every rank has mapped
+                fresh[id(buf)] = symm_mem.empty(buf.numel, dtype=buf.param.dtype, device=buf.device)
         except Exception as e:  # noqa: BLE001 - allocation refused: fall back on every rank
             reason, fresh = f"symmetric memory allocation failed ({e})", {}
     # every rank must be able to, and all on one host: (min of "able", min and max of a host checksum)
