@@ -16,6 +16,4 @@ run q1_1gpu_uf2 env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-
 run q2_2gpu_whole env LS_FAIRSEQ_SHARD_ADAM=0 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 run q3_2gpu_sharded_peer env LS_FAIRSEQ_SHARD_ADAM=1 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 python benchmarks/summarize_train_logs.py "$OUT/q*.log" 60 | tee "$OUT/summary.txt" | cut -c1-40,200-
-for f in "$OUT"/q*.log; do
-  echo "$(basename "$f") $(grep train_inner "$f" | grep -o 'wps=[0-9]*' | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
-done
+intervals "$OUT"/q*.log | tee -a "$OUT/summary.txt"

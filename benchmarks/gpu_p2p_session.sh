@@ -25,6 +25,4 @@ run p6_2gpu_sharded_peer_again env LS_FAIRSEQ_SHARD_ADAM=1 $T "${COMMON[@]}" "${
 echo "load after: $(cat /proc/loadavg)"
 grep -h "ls_adam: " "$OUT"/p3_*.log | sort | uniq -c | cut -c1-200
 python benchmarks/summarize_train_logs.py "$OUT/p*.log" 60 | tee "$OUT/summary.txt"
-for f in "$OUT"/p*.log; do
-  echo "$(basename "$f") $(grep train_inner "$f" | grep -o 'wps=[0-9]*' | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
-done
+intervals "$OUT"/p*.log | tee -a "$OUT/summary.txt"

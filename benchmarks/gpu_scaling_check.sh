@@ -19,6 +19,4 @@ run t5_2gpu_whole_again "${E[@]}" LS_FAIRSEQ_SHARD_ADAM=0 $T "${COMMON[@]}" "${G
 run t6_2gpu_sharded_again "${E[@]}" LS_FAIRSEQ_SHARD_ADAM=1 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 echo "load after: $(cat /proc/loadavg)"
 python benchmarks/summarize_train_logs.py "$OUT/t*.log" 60 | tee "$OUT/summary.txt"
-for f in "$OUT"/t*.log; do
-  echo "$(basename "$f") $(grep train_inner "$f" | grep -o 'wps=[0-9]*' | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
-done
+intervals "$OUT"/t*.log | tee -a "$OUT/summary.txt"

@@ -19,9 +19,7 @@ run u5_2gpu_sharded_again $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 run u6_2gpu_whole_again env LS_FAIRSEQ_SHARD_ADAM=0 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
 echo "load after: $(cat /proc/loadavg)"
 python benchmarks/summarize_train_logs.py "$OUT/u*.log" 60
-for f in "$OUT"/u[2-6]*.log; do
-  echo "$(basename "$f") $(grep train_inner "$f" | grep -o 'wps=[0-9]*' | tr '\n' ' ')"
-done
+intervals "$OUT"/u[2-6]*.log
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
   python -m pytest -q -m gpu tests/gpu/test_multi_gpu.py > "$OUT/gpu_multi_tests.log" 2>&1
   echo "tests rc=$? $(tail -1 "$OUT/gpu_multi_tests.log")"

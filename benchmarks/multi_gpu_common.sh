@@ -2,7 +2,8 @@
 # the extension build, and the training flags they share: ls_transformer_wmt_en_de_big_t2t,
 # ls_adam, fp16, dropout 0 (so the ranks' random streams do not enter the loss comparison),
 # --max-tokens ${MAX_TOKENS:-8192} per GPU batch, no validation, no checkpoints.
-# Defines: OUT, COMMON (flags without --max-update), T (lightseq-train), run NAME CMD... (log to $OUT/NAME.log).
+# Defines: OUT, COMMON (flags without --max-update), T (lightseq-train), run NAME CMD... (log to $OUT/NAME.log),
+# intervals LOG... (each log's words/s per train_inner interval).
 # Prints benchmarks/machine_check.py's line (also to $OUT/machine.txt).
 set -o pipefail
 OUT=${OUT:-/tmp/ls_scaling}; mkdir -p "$OUT"
@@ -17,5 +18,10 @@ COMMON=(${DATA:-.benchdata/wmt_synth} --task translation -s src -t tgt --arch ls
   --disable-validation --no-save)
 T="python -m ls_fairseq.cli.train"
 run() { local name=$1; shift; "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?"; }
+# one line per log: its name and the words/s of every train_inner interval
+intervals() {
+  local f
+  for f in "$@"; do echo "$(basename "$f") $(grep train_inner "$f" | grep -o 'wps=[0-9]*' | tr '\n' ' ')"; done
+}
 # how fast the host and GPUs are right now (MACHINE_CHECK=0 skips it): the lent machines vary a lot
 if [[ "${MACHINE_CHECK:-1}" == 1 ]]; then python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"; fi

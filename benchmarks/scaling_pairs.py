@@ -7,14 +7,14 @@ and their ratios; then the median of the pairs' ratios. The median of the 20-upd
 less moved than the mean by the slow stretches of a busy host; both are printed.
 """
 
-import re
 import statistics
 import sys
 
+from summarize_train_logs import train_inner_rows, wps_after
+
 
 def intervals(path, after):
-    rows = [dict(re.findall(r"(\w+)=([\d.]+)", line)) for line in open(path) if "train_inner" in line]
-    return [float(r["wps"]) for r in rows if "wps" in r and int(r["num_updates"]) > after]
+    return wps_after(train_inner_rows(path), after)
 
 
 def main():

@@ -8,11 +8,21 @@ import re
 import sys
 
 
+def train_inner_rows(path):
+    """The key=value fields of every train_inner line of a --log-format simple log."""
+    return [dict(re.findall(r"(\w+)=([\d.]+)", line)) for line in open(path) if "train_inner" in line]
+
+
+def wps_after(rows, after):
+    """The words/s of the train_inner intervals that end after update ``after``."""
+    return [float(r["wps"]) for r in rows if "wps" in r and int(r["num_updates"]) > after]
+
+
 def main():
     pattern, after = sys.argv[1], int(sys.argv[2])
     for f in sorted(glob.glob(pattern)):
-        rows = [dict(re.findall(r"(\w+)=([\d.]+)", line)) for line in open(f) if "train_inner" in line]
-        late = [float(r["wps"]) for r in rows if int(r["num_updates"]) > after]
+        rows = train_inner_rows(f)
+        late = wps_after(rows, after)
         print(f.split("/")[-1], "loss@" + " ".join(f"{r['num_updates']}:{r['loss']}" for r in rows),
               f"| wps mean after update {after}: {sum(late) / max(1, len(late)):.0f}")
 
