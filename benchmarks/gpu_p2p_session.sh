@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/multi_gpu_common.sh
 echo "load before: $(cat /proc/loadavg) cores $(nproc)"
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
-  python -m pytest -q -m gpu tests/gpu/test_adam_gpu.py -k peer > "$OUT/tests_adam_peer.log" 2>&1
+  python -m pytest -q -m gpu tests/gpu/test_adam_gpu.py -k "${ADAM_K:-peer}" > "$OUT/tests_adam_peer.log" 2>&1
   echo "adam peer tests rc=$? $(tail -1 "$OUT/tests_adam_peer.log")"
   python -m pytest -q -m gpu tests/gpu/test_multi_gpu.py -k "${TEST_K:-sharded and peer_writes}" \
     > "$OUT/tests_multi_gpu_sharded.log" 2>&1

@@ -352,6 +352,55 @@ def test_adam_peer_copy_gets_the_new_weights_unless_skipped():
         ops.adam_(p, g, m, v, step=3, param_lp=lp, param_lp_peer=peer[1:], **hp)
 
 
+def test_adam_ranges_update_only_those_ranges():
+    n = 301
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-6, weight_decay=0.01, step=1)
+    ranges = [(0, 10), (40, 41), (100, 177), (177, 300)]
+    g = rnd(n, seed=7, dtype=torch.float16)
+    a = [rnd(n, seed=8, dtype=torch.float32), torch.rand(n), torch.rand(n), torch.zeros(n, dtype=torch.float16)]
+    b = [t.clone() for t in a]
+    ops.adam_(a[0], g, a[1], a[2], param_lp=a[3], ranges=ranges, **hp)
+    for lo, hi in ranges:  # one call over the ranges = one call per range
+        ops.adam_(b[0][lo:hi], g[lo:hi], b[1][lo:hi], b[2][lo:hi], param_lp=b[3][lo:hi], **hp)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    untouched = torch.ones(n, dtype=torch.bool)
+    for lo, hi in ranges:
+        untouched[lo:hi] = False
+    assert untouched.sum() == n - 10 - 1 - 200 and torch.equal(a[3][untouched], torch.zeros(int(untouched.sum())).half())
+    before = [t.clone() for t in a]
+    ops.adam_(a[0], g, a[1], a[2], param_lp=a[3], ranges=ranges, grad_scale_tensor=torch.tensor(float("inf")), **hp)
+    for x, y in zip(a, before):
+        assert torch.equal(x, y)  # a skipped step writes no range
+
+
+@pytest.mark.parametrize("ranges, match", [
+    ([(5, 3)], "range \\[5, 3\\) is not inside the 64 elements"),
+    ([(0, 65)], "range \\[0, 65\\) is not inside"),
+    ([(-1, 4)], "is not inside"),
+    ([(0, 8), (4, 12)], "ascending and disjoint: \\[4, 12\\) starts before the previous range ends at 8"),
+    ([(8, 12), (0, 4)], "ascending and disjoint"),
+    ([(1, 2, 3)], "ranges must be \\(lo, hi\\) pairs"),
+])
+def test_ranges_are_checked(ranges, match):
+    p, m, v, g = torch.zeros(64), torch.zeros(64), torch.zeros(64), torch.ones(64)
+    with pytest.raises(ValueError, match=match):
+        ops.adam_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, ranges=ranges)
+    with pytest.raises(ValueError, match=match):
+        ops.grad_norm(g, ranges=ranges)
+    assert torch.equal(p, torch.zeros(64))
+
+
+def test_grad_norm_of_ranges():
+    g = rnd(1031, seed=2, dtype=torch.bfloat16)
+    ranges = [(3, 17), (500, 1031)]
+    want = torch.cat([g[3:17], g[500:]]).double().norm()
+    torch.testing.assert_close(ops.grad_norm(g, ranges=ranges).double(), want, rtol=1e-6, atol=0)
+    assert ops.grad_norm(g, ranges=[]).item() == 0.0 and ops.grad_norm(g, ranges=[(4, 4)]).item() == 0.0
+    g[20] = float("inf")  # outside the ranges: not seen
+    assert ops.grad_norm(g, ranges=ranges).isfinite() and ops.grad_norm(g, ranges=[(20, 21)]).isinf()
+
+
 def test_grad_norm():
     g = rnd(1031, seed=1, dtype=torch.float16)
     n = ops.grad_norm(g)

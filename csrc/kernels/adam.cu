@@ -34,19 +34,13 @@ __device__ __forceinline__ void adam_one(float& p, float g_raw, float& m, float&
   p = p * c.decay_mul - c.step_size * m / denom;
 }
 
+// One range [lo, lo + n) of the flat buffers, grid-strided. VEC: every pointer of the range is aligned for
+// 4-wide loads and stores (decided on the host per range, so the branch is uniform over the grid).
 template <typename G, typename L, bool VEC>
-__global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
-                            float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer,
-                            int64_t n, AdamCoef c, const float* __restrict__ norm,
-                            const float* __restrict__ scale_dev) {
-  if (norm != nullptr && !isfinite(*norm)) return;
-  if (scale_dev != nullptr) {
-    const float s = *scale_dev;
-    if (!isfinite(s)) return;
-    c.grad_scale *= s;
-  }
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+__device__ __forceinline__ void adam_range(float* __restrict__ param, const G* __restrict__ grad,
+                                           float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+                                           L* __restrict__ param_lp, L* __restrict__ param_lp_peer, int64_t n,
+                                           const AdamCoef& c, int64_t tid, int64_t stride) {
   int64_t done = 0;
   if (VEC) {
     const int64_t n4 = n / 4;
@@ -93,32 +87,79 @@ __global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ gra
     if (param_lp != nullptr) param_lp[i] = from_f<L>(p);
     if (param_lp_peer != nullptr) param_lp_peer[i] = from_f<L>(p);
   }
+}
+
+// Up to kMaxRanges ranges of the same flat buffers per launch (a data-parallel rank's owned parts):
+// the kernel walks them in order, every block taking its grid-strided share of each.
+constexpr int kMaxRanges = 64;
+struct FlatRanges {
+  int count;
+  uint64_t vec;  // bit k: range k takes the 4-wide path
+  int64_t lo[kMaxRanges], n[kMaxRanges];
+};
+
+template <typename G, typename L>
+__global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
+                            float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer,
+                            FlatRanges r, AdamCoef c, const float* __restrict__ norm,
+                            const float* __restrict__ scale_dev) {
+  if (norm != nullptr && !isfinite(*norm)) return;
+  if (scale_dev != nullptr) {
+    const float s = *scale_dev;
+    if (!isfinite(s)) return;
+    c.grad_scale *= s;
+  }
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (int k = 0; k < r.count; ++k) {
+    const int64_t o = r.lo[k];
+    L* lp = param_lp == nullptr ? nullptr : param_lp + o;
+    L* peer = param_lp_peer == nullptr ? nullptr : param_lp_peer + o;
+    if ((r.vec >> k) & 1)
+      adam_range<G, L, true>(param + o, grad + o, exp_avg + o, exp_avg_sq + o, lp, peer, r.n[k], c, tid, stride);
+    else
+      adam_range<G, L, false>(param + o, grad + o, exp_avg + o, exp_avg_sq + o, lp, peer, r.n[k], c, tid, stride);
+  }
   if (param_lp_peer != nullptr) __threadfence_system();
 }
 
 template <typename G, typename L>
-static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, void* peer, int64_t n,
-                        const AdamCoef& c, const float* norm, const float* scale_dev, cudaStream_t stream) {
+static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, void* peer,
+                        const int64_t* bounds, int count, const AdamCoef& c, const float* norm,
+                        const float* scale_dev, cudaStream_t stream) {
   const int threads = 256;
-  const int blocks = (int)std::max<int64_t>(1, std::min<int64_t>((n / 4 + threads - 1) / threads, (int64_t)num_sms() * 8));
-  const bool vec = aligned16(param) && aligned16(m) && aligned16(v) && ((uintptr_t)grad % (4 * sizeof(G)) == 0) &&
-                   (lp == nullptr || (uintptr_t)lp % (4 * sizeof(L)) == 0) &&
-                   (peer == nullptr || (uintptr_t)peer % (4 * sizeof(L)) == 0);
-  if (vec)
-    adam_kernel<G, L, true><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                            static_cast<L*>(lp), static_cast<L*>(peer), n, c,
-                                                            norm, scale_dev);
-  else
-    adam_kernel<G, L, false><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                             static_cast<L*>(lp), static_cast<L*>(peer), n, c,
-                                                             norm, scale_dev);
-  LS_CHECK_LAUNCH("adam_step", stream);
+  for (int first = 0; first < count; first += kMaxRanges) {
+    FlatRanges r;
+    r.count = 0;
+    r.vec = 0;
+    int64_t total = 0;
+    for (int k = first; k < count && r.count < kMaxRanges; ++k) {
+      const int64_t lo = bounds[2 * k], n = bounds[2 * k + 1] - lo;
+      if (n <= 0) continue;
+      const G* g = static_cast<const G*>(grad) + lo;
+      const bool vec = aligned16(param + lo) && aligned16(m + lo) && aligned16(v + lo) &&
+                       ((uintptr_t)g % (4 * sizeof(G)) == 0) &&
+                       (lp == nullptr || (uintptr_t)(static_cast<L*>(lp) + lo) % (4 * sizeof(L)) == 0) &&
+                       (peer == nullptr || (uintptr_t)(static_cast<L*>(peer) + lo) % (4 * sizeof(L)) == 0);
+      r.lo[r.count] = lo;
+      r.n[r.count] = n;
+      if (vec) r.vec |= uint64_t(1) << r.count;
+      ++r.count;
+      total += n;
+    }
+    if (r.count == 0) continue;
+    const int blocks =
+        (int)std::max<int64_t>(1, std::min<int64_t>((total / 4 + threads - 1) / threads, (int64_t)num_sms() * 8));
+    adam_kernel<G, L><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v, static_cast<L*>(lp),
+                                                      static_cast<L*>(peer), r, c, norm, scale_dev);
+    LS_CHECK_LAUNCH("adam_step", stream);
+  }
 }
 
-void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
-               void* param_lp, void* param_lp_peer, int64_t n, AdamArgs a, const float* norm,
-               const float* scale_dev, cudaStream_t stream) {
-  if (n <= 0) return;
+void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
+                      void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs a,
+                      const float* norm, const float* scale_dev, cudaStream_t stream) {
+  if (count <= 0) return;
   const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
   const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
   AdamCoef c;
@@ -133,9 +174,17 @@ void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float
     c.inv_sqrt_bc2 = 1.f;
   }
   LS_DISPATCH(grad_dt, G, {
-    LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, n, c, norm,
-                                                     scale_dev, stream));
+    LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, bounds, count,
+                                                     c, norm, scale_dev, stream));
   });
+}
+
+void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
+               void* param_lp, void* param_lp_peer, int64_t n, AdamArgs a, const float* norm,
+               const float* scale_dev, cudaStream_t stream) {
+  const int64_t whole[2] = {0, n};
+  adam_step_ranges(grad_dt, lp_dt, param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, whole, 1, a, norm,
+                   scale_dev, stream);
 }
 
 // ================================================================ grad norm
@@ -155,29 +204,35 @@ __device__ __forceinline__ float block_sum_norm(float v) {
   return t;
 }
 
+// Per-block sums of squares over the ranges of r (in order); `accumulate`: add to the partials of an earlier
+// launch (more ranges than one launch takes) instead of overwriting them.
 template <typename T>
-__global__ void __launch_bounds__(kNormThreads) sumsq_partial_kernel(const T* __restrict__ g, int64_t n, bool vec,
-                                                                     float* __restrict__ partial) {
+__global__ void __launch_bounds__(kNormThreads) sumsq_partial_kernel(const T* __restrict__ g, FlatRanges r,
+                                                                     bool accumulate, float* __restrict__ partial) {
   float s = 0.f;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  int64_t done = 0;
-  if (vec) {
-    const int64_t n8 = n / 8;
-    for (int64_t q = tid; q < n8; q += stride) {
-      float v[8];
-      load8(g + q * 8, v);
+  for (int k = 0; k < r.count; ++k) {
+    const T* x = g + r.lo[k];
+    const int64_t n = r.n[k];
+    int64_t done = 0;
+    if ((r.vec >> k) & 1) {
+      const int64_t n8 = n / 8;
+      for (int64_t q = tid; q < n8; q += stride) {
+        float v[8];
+        load8(x + q * 8, v);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) s += v[k] * v[k];
+        for (int j = 0; j < 8; ++j) s += v[j] * v[j];
+      }
+      done = n8 * 8;
     }
-    done = n8 * 8;
-  }
-  for (int64_t i = done + tid; i < n; i += stride) {
-    const float v = to_f(g[i]);
-    s += v * v;
+    for (int64_t i = done + tid; i < n; i += stride) {
+      const float v = to_f(x[i]);
+      s += v * v;
+    }
   }
   s = block_sum_norm(s);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+  if (threadIdx.x == 0) partial[blockIdx.x] = accumulate ? partial[blockIdx.x] + s : s;
 }
 
 __global__ void __launch_bounds__(kNormThreads) sqrt_sum_kernel(const float* __restrict__ partial, int G,
@@ -188,16 +243,41 @@ __global__ void __launch_bounds__(kNormThreads) sqrt_sum_kernel(const float* __r
   if (threadIdx.x == 0) *out = sqrtf(s);
 }
 
-void grad_norm(DType dt, const void* grad, int64_t n, float* workspace, float* out, cudaStream_t stream) {
-  const int G = (int)std::max<int64_t>(1, std::min<int64_t>((n / 8 + kNormThreads - 1) / kNormThreads,
+void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int count, float* workspace, float* out,
+                      cudaStream_t stream) {
+  int64_t total = 0;
+  for (int k = 0; k < count; ++k) total += std::max<int64_t>(0, bounds[2 * k + 1] - bounds[2 * k]);
+  const int G = (int)std::max<int64_t>(1, std::min<int64_t>((total / 8 + kNormThreads - 1) / kNormThreads,
                                                             std::min(kNormMaxBlocks, num_sms() * 4)));
-  const bool vec = aligned16(grad);
-  LS_DISPATCH(dt, T, {
-    sumsq_partial_kernel<T><<<G, kNormThreads, 0, stream>>>(static_cast<const T*>(grad), n, vec, workspace);
-    LS_CHECK_LAUNCH("grad_norm partial", stream);
-  });
+  const size_t esize = dt == DType::F32 ? 4 : 2;
+  bool first_launch = true;
+  for (int first = 0; first < count || first_launch; first += kMaxRanges) {
+    FlatRanges r;
+    r.count = 0;
+    r.vec = 0;
+    for (int k = first; k < count && r.count < kMaxRanges; ++k) {
+      const int64_t lo = bounds[2 * k], n = bounds[2 * k + 1] - lo;
+      if (n <= 0) continue;
+      r.lo[r.count] = lo;
+      r.n[r.count] = n;
+      if (aligned16(static_cast<const char*>(grad) + lo * esize)) r.vec |= uint64_t(1) << r.count;
+      ++r.count;
+    }
+    if (r.count == 0 && !first_launch) continue;  // the first launch runs even when empty: it zeroes the partials
+    LS_DISPATCH(dt, T, {
+      sumsq_partial_kernel<T><<<G, kNormThreads, 0, stream>>>(static_cast<const T*>(grad), r, !first_launch,
+                                                               workspace);
+      LS_CHECK_LAUNCH("grad_norm partial", stream);
+    });
+    first_launch = false;
+  }
   sqrt_sum_kernel<<<1, kNormThreads, 0, stream>>>(workspace, G, out);
   LS_CHECK_LAUNCH("grad_norm", stream);
+}
+
+void grad_norm(DType dt, const void* grad, int64_t n, float* workspace, float* out, cudaStream_t stream) {
+  const int64_t whole[2] = {0, n};
+  grad_norm_ranges(dt, grad, whole, 1, workspace, out, stream);
 }
 
 }  // namespace ls

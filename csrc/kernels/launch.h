@@ -119,9 +119,17 @@ struct AdamArgs {
 void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                void* param_lp, void* param_lp_peer, int64_t n, AdamArgs args, const float* norm,
                const float* scale_dev, cudaStream_t stream);
+// The same update over `count` ranges [bounds[2k], bounds[2k+1]) of the same flat buffers (all pointers are
+// bases: the ranges offset every buffer alike), one launch per 64 ranges. The ranges must not overlap.
+void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
+                      void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs args,
+                      const float* norm, const float* scale_dev, cudaStream_t stream);
 int64_t grad_norm_workspace();
 // out = ||grad||_2 (fp32 scalar); inf/NaN propagate. Deterministic (two fixed-shape passes).
 void grad_norm(DType dt, const void* grad, int64_t n, float* workspace, float* out, cudaStream_t stream);
+// out = the L2 norm of the union of `count` ranges [bounds[2k], bounds[2k+1]) of grad; deterministic.
+void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int count, float* workspace, float* out,
+                      cudaStream_t stream);
 
 }  // namespace ls
 

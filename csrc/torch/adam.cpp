@@ -13,10 +13,28 @@ static const float* device_scalar(const char* op, const char* name, const OptTen
   return t->data_ptr<float>();  // one element: contiguous
 }
 
+// `ranges`: flattened [lo, hi) pairs into buffers of n elements, ascending and disjoint; empty = [0, n).
+static std::vector<int64_t> checked_ranges(const char* op, const std::vector<int64_t>& ranges, int64_t n) {
+  if (ranges.empty()) return {0, n};
+  LS_CHECK(ranges.size() % 2 == 0, op, ": ranges must be [lo, hi) pairs, got ", ranges.size(), " numbers");
+  LS_CHECK(ranges.size() / 2 < (size_t)INT32_MAX, op, ": too many ranges");
+  int64_t prev = 0;
+  for (size_t k = 0; k < ranges.size(); k += 2) {
+    const int64_t lo = ranges[k], hi = ranges[k + 1];
+    LS_CHECK(0 <= lo && lo <= hi && hi <= n, op, ": range [", lo, ", ", hi, ") is not inside the ", n,
+             " elements of the buffers");
+    LS_CHECK(lo >= prev, op, ": ranges must be ascending and disjoint; [", lo, ", ", hi,
+             ") starts before the previous range ends at ", prev);
+    prev = hi;
+  }
+  return ranges;
+}
+
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
                int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite,
-               const OptTensor& grad_scale_tensor, const OptTensor& param_lp_peer) {
+               const OptTensor& grad_scale_tensor, const OptTensor& param_lp_peer,
+               const std::vector<int64_t>& ranges) {
   const char* op = "adam_step";
   const int64_t n = param.numel();
   for (const Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
@@ -46,27 +64,31 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
   }
   const float* norm = device_scalar(op, "skip_if_nonfinite", skip_if_nonfinite, param);
   const float* scale_dev = device_scalar(op, "grad_scale_tensor", grad_scale_tensor, param);
+  const std::vector<int64_t> bounds = checked_ranges(op, ranges, n);
   c10::cuda::CUDAGuard guard(param.device());
   ls::AdamArgs a{(float)lr, (float)beta1, (float)beta2, (float)eps, (float)weight_decay, (float)grad_scale, step,
                  torch_mode};
   launch(op, [&] {
-    ls::adam_step(gdt, ldt, param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
-                  exp_avg_sq.data_ptr<float>(), present(param_lp) ? param_lp->data_ptr() : nullptr,
-                  present(param_lp_peer) ? param_lp_peer->data_ptr() : nullptr, n, a, norm, scale_dev, stream());
+    ls::adam_step_ranges(gdt, ldt, param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
+                         exp_avg_sq.data_ptr<float>(), present(param_lp) ? param_lp->data_ptr() : nullptr,
+                         present(param_lp_peer) ? param_lp_peer->data_ptr() : nullptr, bounds.data(),
+                         (int)(bounds.size() / 2), a, norm, scale_dev, stream());
   });
 }
 
-Tensor grad_norm(const Tensor& grad) {
+Tensor grad_norm(const Tensor& grad, const std::vector<int64_t>& ranges) {
   const char* op = "grad_norm";
   LS_CHECK_INPUT(op, grad);
   const ls::DType dt = to_dtype(op, grad);
+  const std::vector<int64_t> bounds = checked_ranges(op, ranges, grad.numel());
   c10::cuda::CUDAGuard guard(grad.device());
   auto f32 = grad.options().dtype(at::kFloat);
   Tensor out = at::empty({}, f32);
   if (grad.numel() == 0) return out.zero_();
   Tensor ws = at::empty({ls::grad_norm_workspace()}, f32);
   launch(op, [&] {
-    ls::grad_norm(dt, grad.data_ptr(), grad.numel(), ws.data_ptr<float>(), out.data_ptr<float>(), stream());
+    ls::grad_norm_ranges(dt, grad.data_ptr(), bounds.data(), (int)(bounds.size() / 2), ws.data_ptr<float>(),
+                         out.data_ptr<float>(), stream());
   });
   return out;
 }

@@ -180,20 +180,20 @@ def _register():
     def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param_lp: Optional[Tensor],
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                   grad_scale: float, torch_mode: bool, skip_if_nonfinite: Optional[Tensor],
-                  grad_scale_tensor: Optional[Tensor], param_lp_peer: Optional[Tensor]) -> None:
+                  grad_scale_tensor: Optional[Tensor], param_lp_peer: Optional[Tensor], ranges: List[int]) -> None:
         _mod().adam_step(param, grad, exp_avg, exp_avg_sq, param_lp, lr, beta1, beta2, eps, weight_decay, step,
-                         grad_scale, torch_mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer)
+                         grad_scale, torch_mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer, ranges)
 
     @adam_step.register_fake
     def _(*args):
         return None
 
     @op(f"{_LIB}::grad_norm", mutates_args=())
-    def grad_norm(grad: Tensor) -> Tensor:
-        return _mod().grad_norm(grad)
+    def grad_norm(grad: Tensor, ranges: List[int]) -> Tensor:
+        return _mod().grad_norm(grad, ranges)
 
     @grad_norm.register_fake
-    def _(grad):
+    def _(grad, ranges):
         return _empty(grad, (), torch.float32)
 
 

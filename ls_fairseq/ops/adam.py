@@ -40,6 +40,10 @@ same range of a peer GPU's weights, mapped into this device's address space (PyT
 the kernel writes the new weights on both GPUs in the same pass, so no all-gather follows. The caller
 orders these writes before the peer reads the weights (a collective on both ranks' streams after the
 step).
+
+``ranges``: ``[(lo, hi), ...]``, ascending and disjoint: update (or, for :func:`grad_norm`, take the norm
+of) only these element ranges of the buffers, which all share one layout. A data-parallel rank passes
+the parts of the flat buffers it owns, and the fused kernel covers them all in one launch.
 """
 
 import math
@@ -54,8 +58,16 @@ MODES = ("fairseq", "torch")
 
 def adam_reference_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
                     grad_scale=1.0, param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None,
-                    param_lp_peer=None):
+                    param_lp_peer=None, ranges=None):
     if skip_if_nonfinite is not None and not bool(torch.isfinite(skip_if_nonfinite)):
+        return
+    if ranges is not None:
+        for lo, hi in ranges:
+            adam_reference_(*(t[lo:hi] for t in (param, grad, exp_avg, exp_avg_sq)), lr=lr, beta1=beta1,
+                            beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, grad_scale=grad_scale,
+                            param_lp=None if param_lp is None else param_lp[lo:hi], mode=mode,
+                            grad_scale_tensor=grad_scale_tensor,
+                            param_lp_peer=None if param_lp_peer is None else param_lp_peer[lo:hi])
         return
     if grad_scale_tensor is not None:
         factor = float(grad_scale_tensor)
@@ -85,6 +97,27 @@ def adam_reference_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, 
         param_lp_peer.copy_(param)
 
 
+def check_ranges(ranges, n):
+    """``ranges`` as a flat list [lo0, hi0, lo1, hi1, ...] after checking that they are ascending, disjoint
+    (lo, hi) pairs inside [0, n); None stays None."""
+    if ranges is None:
+        return None
+    flat, prev = [], 0
+    for r in ranges:
+        try:
+            lo, hi = (int(x) for x in r)
+        except (TypeError, ValueError):
+            raise ValueError(f"ranges must be (lo, hi) pairs, got {r!r}") from None
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"range [{lo}, {hi}) is not inside the {n} elements of the buffers")
+        if lo < prev:
+            raise ValueError(f"ranges must be ascending and disjoint: [{lo}, {hi}) starts before the previous range "
+                             f"ends at {prev}")
+        flat += (lo, hi)
+        prev = hi
+    return flat
+
+
 def _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer=None):
     if mode not in MODES:
         raise ValueError(f"adam mode must be one of {MODES}, got {mode!r}")
@@ -108,15 +141,18 @@ def _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer
 
 
 def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
-          param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None):
+          param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None,
+          ranges=None):
     """In-place update of param, exp_avg, exp_avg_sq (and param_lp, param_lp_peer).
 
     ``skip_if_nonfinite``: optional 0-dim fp32 tensor (e.g. :func:`grad_norm`'s result); when it is
     inf/NaN nothing is updated (checked on the device by the fused kernel).
     ``grad_scale_tensor``: optional one-element fp32 tensor on param's device, multiplied into
     ``grad_scale`` on the device; when it is inf/NaN nothing is updated.
+    ``ranges``: optional ascending, disjoint (lo, hi) pairs; only these elements are updated.
     """
     _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer)
+    flat_ranges = check_ranges(ranges, param.numel())
     if grad_scale_tensor is not None:
         if not torch.is_tensor(grad_scale_tensor) or grad_scale_tensor.numel() != 1:
             raise ValueError("adam: grad_scale_tensor must be a one-element tensor")
@@ -127,35 +163,41 @@ def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_dec
     flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, param_lp, param_lp_peer))
     if mod is not None and flat:
         return _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step,
-                      grad_scale, param_lp, mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer)
+                      grad_scale, param_lp, mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer, flat_ranges)
     return adam_reference_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_lp=param_lp,
                            mode=mode, skip_if_nonfinite=skip_if_nonfinite, grad_scale_tensor=grad_scale_tensor,
-                           param_lp_peer=param_lp_peer)
+                           param_lp_peer=param_lp_peer, ranges=ranges)
 
 
-def grad_norm_reference(grad):
-    return grad.float().norm(2)
+def grad_norm_reference(grad, ranges=None):
+    if ranges is None:
+        return grad.float().norm(2)
+    parts = [grad[lo:hi].float() for lo, hi in ranges]
+    return torch.cat(parts).norm(2) if parts else grad.new_zeros((), dtype=torch.float32)
 
 
-def grad_norm(grad):
-    """L2 norm of a flat gradient buffer as an fp32 0-dim tensor (inf/NaN propagate)."""
+def grad_norm(grad, ranges=None):
+    """L2 norm of a flat gradient buffer as an fp32 0-dim tensor (inf/NaN propagate); with ``ranges``
+    (ascending, disjoint (lo, hi) pairs), the norm of those elements only."""
+    flat_ranges = check_ranges(ranges, grad.numel())
     mod = kernel_module("grad_norm", grad)
     if mod is not None:
-        return _fused_norm(mod, grad)
-    return grad_norm_reference(grad)
+        return _fused_norm(mod, grad, flat_ranges)
+    return grad_norm_reference(grad, ranges)
 
 
 def _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale, param_lp,
-           mode, skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None):  # kernel slot
+           mode, skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None, ranges=None):  # kernel slot
     norm = factor = None
     if skip_if_nonfinite is not None:
         norm = skip_if_nonfinite.detach().float().reshape(()).contiguous()
     if grad_scale_tensor is not None:
         factor = grad_scale_tensor.detach().float().reshape(()).contiguous()
     call("adam_step", param, grad.contiguous(), exp_avg, exp_avg_sq, param_lp, float(lr), float(beta1), float(beta2),
-         float(eps), float(weight_decay), int(step), float(grad_scale), mode == "torch", norm, factor, param_lp_peer)
+         float(eps), float(weight_decay), int(step), float(grad_scale), mode == "torch", norm, factor, param_lp_peer,
+         ranges or [])
 
 
-def _fused_norm(mod, grad):  # kernel slot
-    return call("grad_norm", grad.contiguous())
+def _fused_norm(mod, grad, ranges=None):  # kernel slot
+    return call("grad_norm", grad.contiguous(), ranges or [])

@@ -128,21 +128,18 @@ class LSAdam(torch.optim.Optimizer):
         for ws in self._workspaces:
             ws.sync()
             for buf in ws.buffers:
-                parts = shard.parts.get(id(buf)) if shard is not None else None
-                if parts is None:
-                    norms.append(flat_grad_norm(buf.grad))
-                else:
-                    norms.extend(flat_grad_norm(buf.grad[lo:hi]) for _, _, lo, hi in parts)
+                owned = shard.ranges.get(id(buf)) if shard is not None else None  # sharded: the owned parts
+                norms.append(flat_grad_norm(buf.grad, ranges=owned))
         self._synced = True  # the next step() reads the buffers as this norm saw them
-        if len(norms) == 1 and shard is None:
+        if len(norms) == 1:
             total = norms[0]
         else:
             dev = norms[0].device
             total = torch.stack([n.to(dev) for n in norms]).norm(2)
-            if shard is not None:
-                squares = total * total
-                dist.all_reduce(squares, group=shard.group)
-                total = squares.sqrt()
+        if shard is not None:
+            squares = total * total
+            dist.all_reduce(squares, group=shard.group)
+            total = squares.sqrt()
         f = self._grad_factor
         if torch.is_tensor(f) or f != 1.0:
             total = total * (f.abs() if torch.is_tensor(f) else abs(f))
@@ -207,12 +204,16 @@ class LSAdam(torch.optim.Optimizer):
                 lp = buf.param_lp
                 defer = self._shard.defer
                 peer = self._shard.peers.get(id(buf)) if self._shard.peers else None
+                if peer is not None:
+                    # one launch for all owned parts; it writes them on the peer too, so nothing is gathered
+                    adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=lp, param_lp_peer=peer,
+                          ranges=self._shard.ranges[id(buf)], **kw)
+                    self._stale = True
+                    continue
                 for start, end, lo, hi in parts:
                     adam_(buf.master[lo:hi], buf.grad[lo:hi], buf.exp_avg[lo:hi], buf.exp_avg_sq[lo:hi],
                           param_lp=None if lp is None else lp[lo:hi],
-                          param_lp_peer=None if peer is None else peer[lo:hi], **kw)
-                    if peer is not None:
-                        continue  # the kernel wrote this part on the peer too
+                          **kw)
                     # the new weights of this bucket go out while Adam runs on the next one
                     work = dist.all_gather_into_tensor(buf.param[start:end], buf.param[lo:hi],
                                                        group=self._shard.group, async_op=True)
@@ -449,10 +450,12 @@ class LSAdam(torch.optim.Optimizer):
 class _Shard:
     """Where this rank's parts lie: ``parts[id(buffer)]`` = [(start, end, lo, hi)] per bucket."""
 
-    __slots__ = ("rank", "world_size", "group", "parts", "defer", "peers", "flag")
+    __slots__ = ("rank", "world_size", "group", "parts", "ranges", "defer", "peers", "flag")
 
     def __init__(self, rank, world_size, group, parts, peers=None):
         self.rank, self.world_size, self.group, self.parts = rank, world_size, group, parts
+        # id(buffer) -> the owned (lo, hi) ranges in ascending order (one norm / one update call per buffer)
+        self.ranges = {key: sorted((lo, hi) for _, _, lo, hi in ranges) for key, ranges in parts.items()}
         self.defer = False  # leave the step's all-gathers in flight (defer_gathers)
         self.peers = peers  # id(buffer) -> the peer's weights (the step writes them; no all-gathers)
         self.flag = None

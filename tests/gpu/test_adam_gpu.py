@@ -162,3 +162,73 @@ def test_peer_copy_is_checked():
         adam_(p, g, m, v, step=1, param_lp=lp, param_lp_peer=torch.zeros(63, device="cuda").half(), **HP)
     with pytest.raises(ValueError, match="param_lp_peer must be torch.float32"):
         adam_(p, g, m, v, step=1, param_lp_peer=torch.zeros(64, device="cuda").half(), **HP)
+
+
+def _ranges(n, count, seed):
+    """`count` ascending, disjoint ranges of [0, n) with random (also unaligned) ends, some empty."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(0, n + 1, (2 * count,), generator=gen).tolist())
+    return [(cuts[2 * k], cuts[2 * k + 1]) for k in range(count)]
+
+
+@pytest.mark.parametrize("count", [1, 12, 150])  # 150: more ranges than one launch takes
+@pytest.mark.parametrize("lp_dtype", [None, torch.float16, torch.bfloat16], ids=str)
+def test_adam_ranges_match_one_call_per_range(count, lp_dtype):
+    """One launch over the owned ranges (sharded ls_adam) = the kernel run on each range alone, bit for bit,
+    the peer copy included; the elements outside the ranges stay as they were."""
+    n = 1_000_003
+    torch.manual_seed(count)
+    ranges = _ranges(n, count, seed=count)
+    want = lp_dtype or torch.float32
+    p0, m0, v0 = torch.randn(n, device="cuda"), torch.rand(n, device="cuda"), torch.rand(n, device="cuda")
+    g = torch.randn(n, device="cuda", dtype=torch.float16)
+    a = [p0.clone(), m0.clone(), v0.clone(), torch.zeros(n, device="cuda", dtype=want),
+         torch.zeros(n + 1, device="cuda", dtype=want)[1:]]  # the peer copy unaligned
+    b = [t.clone() for t in a]
+    lp = (lambda t: None if lp_dtype is None else t)
+    adam_(a[0], g, a[1], a[2], step=3, grad_scale=0.5, param_lp=lp(a[3]), param_lp_peer=a[4], ranges=ranges, **HP)
+    for lo, hi in ranges:
+        if hi > lo:
+            adam_(b[0][lo:hi], g[lo:hi], b[1][lo:hi], b[2][lo:hi], step=3, grad_scale=0.5,
+                  param_lp=None if lp_dtype is None else b[3][lo:hi], param_lp_peer=b[4][lo:hi], **HP)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    inside = torch.zeros(n, dtype=torch.bool, device="cuda")
+    for lo, hi in ranges:
+        inside[lo:hi] = True
+    assert torch.equal(a[0][~inside], p0[~inside]) and not torch.any(a[4][~inside] != 0)
+    assert torch.equal(a[4][inside], a[0][inside].to(want))
+    ref = [p0.clone(), m0.clone(), v0.clone()]
+    adam_reference_(ref[0], g, ref[1], ref[2], step=3, grad_scale=0.5, ranges=ranges, **HP)
+    torch.testing.assert_close(a[0], ref[0], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("count", [1, 12, 150])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_grad_norm_of_ranges(count, dtype):
+    n = 1_000_003
+    g = torch.randn(n, device="cuda").to(dtype)
+    ranges = _ranges(n, count, seed=100 + count)
+    got = grad_norm(g, ranges=ranges)
+    want = torch.cat([g[lo:hi] for lo, hi in ranges]).double().norm()
+    assert abs(got.item() - want.item()) <= 1e-5 * want.item() + 1e-6
+    assert torch.equal(grad_norm(g, ranges=ranges), got)  # deterministic
+    assert grad_norm(g, ranges=[]).item() == 0.0
+
+
+def test_the_kernel_entry_checks_ranges_itself():
+    """The extension refuses bad ranges on its own (the Python checks sit in front of it)."""
+    from ls_fairseq import _ext
+
+    mod = _ext.get()
+    g = torch.ones(64, device="cuda")
+    with pytest.raises(RuntimeError, match="not inside the 64 elements"):
+        mod.grad_norm(g, [0, 65])
+    with pytest.raises(RuntimeError, match="ascending and disjoint"):
+        mod.grad_norm(g, [8, 12, 0, 4])
+    with pytest.raises(RuntimeError, match="pairs"):
+        mod.grad_norm(g, [1, 2, 3])
+    p, m, v = torch.zeros(64, device="cuda"), torch.zeros(64, device="cuda"), torch.zeros(64, device="cuda")
+    with pytest.raises(RuntimeError, match="not inside"):
+        mod.adam_step(p, g, m, v, None, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1, 1.0, False, None, None, None, [60, 70])
+    assert torch.equal(p, torch.zeros(64, device="cuda"))
