@@ -372,6 +372,9 @@ def test_adam_ranges_update_only_those_ranges():
     ops.adam_(a[0], g, a[1], a[2], param_lp=a[3], ranges=ranges, grad_scale_tensor=torch.tensor(float("inf")), **hp)
     for x, y in zip(a, before):
         assert torch.equal(x, y)  # a skipped step writes no range
+    ops.adam_(a[0], g, a[1], a[2], param_lp=a[3], ranges=[], **hp)
+    for x, y in zip(a, before):
+        assert torch.equal(x, y)  # no range, no update
 
 
 @pytest.mark.parametrize("ranges, match", [

@@ -153,6 +153,8 @@ def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_dec
     """
     _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer)
     flat_ranges = check_ranges(ranges, param.numel())
+    if flat_ranges == []:
+        return  # no range: nothing to update (the extension reads an empty list as "everything")
     if grad_scale_tensor is not None:
         if not torch.is_tensor(grad_scale_tensor) or grad_scale_tensor.numel() != 1:
             raise ValueError("adam: grad_scale_tensor must be a one-element tensor")
@@ -181,6 +183,8 @@ def grad_norm(grad, ranges=None):
     """L2 norm of a flat gradient buffer as an fp32 0-dim tensor (inf/NaN propagate); with ``ranges``
     (ascending, disjoint (lo, hi) pairs), the norm of those elements only."""
     flat_ranges = check_ranges(ranges, grad.numel())
+    if flat_ranges == []:
+        return torch.zeros((), dtype=torch.float32, device=grad.device)
     mod = kernel_module("grad_norm", grad)
     if mod is not None:
         return _fused_norm(mod, grad, flat_ranges)

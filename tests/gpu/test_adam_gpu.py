@@ -201,6 +201,10 @@ def test_adam_ranges_match_one_call_per_range(count, lp_dtype):
     ref = [p0.clone(), m0.clone(), v0.clone()]
     adam_reference_(ref[0], g, ref[1], ref[2], step=3, grad_scale=0.5, ranges=ranges, **HP)
     torch.testing.assert_close(a[0], ref[0], rtol=1e-5, atol=2e-6)
+    before = [t.clone() for t in a]
+    adam_(a[0], g, a[1], a[2], step=4, param_lp=lp(a[3]), param_lp_peer=a[4], ranges=[], **HP)
+    for x, y in zip(a, before):
+        assert torch.equal(x, y)  # no range, no update (not the whole buffer)
 
 
 @pytest.mark.parametrize("count", [1, 12, 150])
