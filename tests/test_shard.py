@@ -194,6 +194,63 @@ def test_sharded_adam_equals_the_whole_state_on_two_ranks(tmp_path):
     assert [n for n, _ in got[0]["norms"]] == [n for n, _ in got[1]["norms"]]
 
 
+def _peer_worker(rank, port, out_dir):
+    """Sharded with peer writes, on gloo: each rank's stand-in for the other GPU's weights is a local buffer.
+    The step must write exactly the owned parts into it (one update call per flat buffer) and gather
+    nothing; the test then plays the peer's stores and checks the weights against the whole state."""
+    r = _replicas(rank, port)
+    net, ref, wrapped, opt, ref_opt, names = r.net, r.ref, r.wrapped, r.opt, r.ref_opt, r.names
+    lsadam = opt._optimizer
+    out = {"mismatch": [], "peer_parts": [], "norms": [], "stale_parts": []}
+    try:
+        opt.request_sharding()
+        for update in range(4):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            _loss(wrapped, rank, update, 0, rank == 0).backward()
+            _loss(ref, rank, update, 0, rank == 0).backward()
+            opt.all_reduce_grads(wrapped)
+            ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)
+            if update == 0:  # the reducer is installed now (gloo: sharded with all-gathers); give it stand-ins
+                bufs = [buf for ws in lsadam.workspaces for buf in ws.buffers]
+                stand_in = {id(b): torch.zeros_like(b.param) for b in bufs}
+                lsadam.shard_(opt._reducer.buckets, rank, 2, lsadam._shard.group, peers=stand_in)
+            for t in stand_in.values():
+                t.zero_()
+            out["norms"].append((float(lsadam.grad_norm()), float(ref_opt._optimizer.grad_norm())))
+            masters = [b.master.clone() for b in bufs]
+            opt.step()
+            ref_opt.step()
+            for b, before in zip(bufs, masters):
+                owned = torch.zeros(b.numel, dtype=torch.bool)
+                for lo, hi in lsadam._shard.ranges[id(b)]:
+                    owned[lo:hi] = True
+                t = stand_in[id(b)]
+                out["peer_parts"].append(bool(0 < owned.sum() < b.numel and torch.equal(t[owned], b.param[owned])
+                                              and not t[~owned].any()))
+                if b.has_separate_master:  # no all-gather: the parts the peer owns are stale here until it writes
+                    out["stale_parts"].append(torch.equal(b.master[~owned], before[~owned]))
+                full = t.clone()
+                dist.all_reduce(full)  # what the peer stored into this rank's weights, plus our own part
+                b.param.copy_(full)
+            for n, p, q in zip(names, net.parameters(), ref.parameters()):
+                if not _same(p, q):
+                    out["mismatch"].append(f"update {update} param {n}")
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_peer_writes_store_exactly_the_owned_parts_on_two_ranks(tmp_path):
+    got = two_rank_results(_peer_worker, tmp_path)
+    for out in got:
+        assert out["mismatch"] == [], out["mismatch"]
+        assert out["peer_parts"] and all(out["peer_parts"]), out["peer_parts"]
+        assert out["stale_parts"] and all(out["stale_parts"])
+        for norm, ref in out["norms"]:
+            assert norm == pytest.approx(ref, rel=1e-6)
+
+
 # --------------------------------------------------------------------------- lightseq-train, two gloo ranks
 from test_end_to_end import data_bin, inner_by_update, train  # noqa: E402,F401  (fixture)
 
