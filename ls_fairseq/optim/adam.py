@@ -25,8 +25,9 @@ owned parts hold the average. :meth:`grad_norm` sums the squares of the owned pa
 all-reduces that one number; :meth:`step` runs Adam on the owned parts, then all-gathers the
 weights each bucket at a time (the fp16 / bf16 copy, or the fp32 weights themselves), so every
 rank ends the step with all the new weights while it read and wrote only 1/W of the optimizer
-state. With two ranks and peer-mapped weights (``shard_(..., peers=...)``) there is no all-gather: the
-update kernel writes each owned part into the other GPU's weights as well. The other parts of the
+state. With two ranks and peer-mapped weights (``shard_(..., peers=...)``) there is no all-gather: one
+update launch per flat buffer covers all the owned parts and writes them into the other GPU's weights
+as well. The other parts of the
 master weights and moments go stale on this rank.
 :meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
 a checkpoint) all-gathers them; :meth:`state_dict` refuses to return stale state.
@@ -212,8 +213,7 @@ class LSAdam(torch.optim.Optimizer):
                     continue
                 for start, end, lo, hi in parts:
                     adam_(buf.master[lo:hi], buf.grad[lo:hi], buf.exp_avg[lo:hi], buf.exp_avg_sq[lo:hi],
-                          param_lp=None if lp is None else lp[lo:hi],
-                          **kw)
+                          param_lp=None if lp is None else lp[lo:hi], **kw)
                     # the new weights of this bucket go out while Adam runs on the next one
                     work = dist.all_gather_into_tensor(buf.param[start:end], buf.param[lo:hi],
                                                        group=self._shard.group, async_op=True)
