@@ -1,17 +1,44 @@
 #!/usr/bin/env bash
-# One call on a 2-GPU machine: ROUNDS (default 3) rounds of the scaling pair, each pair on the same
-# batches (grouped): 1 GPU with --update-freq 2, then 2 GPUs. 2-GPU runs get TWO_ENV (e.g.
-# "LS_FAIRSEQ_SHARD_ADAM=1"). UPDATES (default 120) each; words/s after update AFTER (default 40).
-# Prints each pair's ratio and the median over the rounds (benchmarks/scaling_pairs.py), with the
-# machine check before and after. Logs under $OUT.
+# One call on a 2-GPU machine: ROUNDS (default 3) rounds, each on the same batches (grouped): 1 GPU with
+# --update-freq 2, then one 2-GPU run per variant. UPDATES (default 120) each; words/s after update AFTER
+# (default 40). Prints each variant's ratios to its round's 1-GPU run and their median
+# (benchmarks/scaling_pairs.py), the ratios between the first variant and each other one, and the machine
+# check before and after. Logs under $OUT.
+#   VARIANTS: space-separated NAME=ENV, ENV a comma-separated list of assignments for the 2-GPU run or "-",
+#             e.g. VARIANTS="whole=LS_FAIRSEQ_SHARD_ADAM=0 sharded=LS_FAIRSEQ_SHARD_ADAM=1".
+#             Default: one variant "2gpu" with TWO_ENV (e.g. TWO_ENV=LS_FAIRSEQ_SHARD_ADAM=1).
+#   PACK_TO:  a folder that receives logs.tgz (every log) and pairs.txt: a device call that may bring back
+#             only a few files sets OUT to a scratch folder and PACK_TO to its own output folder, in this
+#             order: PACK_TO=$OUT OUT=/tmp/rounds bash benchmarks/gpu_scaling_rounds.sh
 cd "$(dirname "$0")/.."
 source benchmarks/multi_gpu_common.sh
 G=(--max-update "${UPDATES:-120}" --grouped-shuffling)
-pairs=()
+read -r -a variants <<< "${VARIANTS:-2gpu=${TWO_ENV:--}}"
+names=()
+for v in "${variants[@]}"; do names+=("${v%%=*}"); done
 for k in $(seq 1 "${ROUNDS:-3}"); do
   run "r${k}a_1gpu_uf2" env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
-  run "r${k}b_2gpu" env ${TWO_ENV:-} $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
-  pairs+=("$OUT/r${k}a_1gpu_uf2.log" "$OUT/r${k}b_2gpu.log")
+  for v in "${variants[@]}"; do
+    name=${v%%=*} assignments=${v#*=}
+    [[ "$assignments" == "-" ]] && assignments=""
+    run "r${k}b_${name}" env ${assignments//,/ } $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
+  done
 done
 python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"
-python benchmarks/scaling_pairs.py "${AFTER:-40}" "${pairs[@]}" | tee "$OUT/pairs.txt"
+: > "$OUT/pairs.txt"
+for name in "${names[@]}"; do
+  logs=()
+  for k in $(seq 1 "${ROUNDS:-3}"); do logs+=("$OUT/r${k}a_1gpu_uf2.log" "$OUT/r${k}b_${name}.log"); done
+  echo "== ${name} vs 1 GPU --update-freq 2" | tee -a "$OUT/pairs.txt"
+  python benchmarks/scaling_pairs.py "${AFTER:-40}" "${logs[@]}" | tee -a "$OUT/pairs.txt"
+done
+for name in "${names[@]:1}"; do
+  logs=()
+  for k in $(seq 1 "${ROUNDS:-3}"); do logs+=("$OUT/r${k}b_${names[0]}.log" "$OUT/r${k}b_${name}.log"); done
+  echo "== ${name} vs ${names[0]}" | tee -a "$OUT/pairs.txt"
+  python benchmarks/scaling_pairs.py "${AFTER:-40}" "${logs[@]}" | tee -a "$OUT/pairs.txt"
+done
+intervals "$OUT"/r*.log | tee -a "$OUT/pairs.txt"
+if [[ -n "${PACK_TO:-}" ]]; then
+  mkdir -p "$PACK_TO" && tar czf "$PACK_TO/logs.tgz" -C "$OUT" . && cp "$OUT/pairs.txt" "$PACK_TO/"
+fi
