@@ -394,6 +394,16 @@ def test_ranges_are_checked(ranges, match):
     assert torch.equal(p, torch.zeros(64))
 
 
+def test_ranges_need_flat_buffers():
+    p, m, v, g = torch.zeros(4, 16), torch.zeros(4, 16), torch.zeros(4, 16), torch.ones(4, 16)
+    with pytest.raises(ValueError, match="ranges index 1-D flat buffers; got a buffer of shape \\(4, 16\\)"):
+        ops.adam_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, ranges=[(0, 8)])
+    with pytest.raises(ValueError, match="ranges index 1-D flat buffers"):
+        ops.grad_norm(g, ranges=[(0, 8)])
+    ops.adam_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)  # no ranges: any shape
+    assert not torch.equal(p, torch.zeros(4, 16))
+
+
 def test_grad_norm_of_ranges():
     g = rnd(1031, seed=2, dtype=torch.bfloat16)
     ranges = [(3, 17), (500, 1031)]

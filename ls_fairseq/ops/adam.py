@@ -97,11 +97,15 @@ def adam_reference_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, 
         param_lp_peer.copy_(param)
 
 
-def check_ranges(ranges, n):
+def check_ranges(ranges, *buffers):
     """``ranges`` as a flat list [lo0, hi0, lo1, hi1, ...] after checking that they are ascending, disjoint
-    (lo, hi) pairs inside [0, n); None stays None."""
+    (lo, hi) pairs inside the buffers, which must be 1-D (None entries are skipped); None stays None."""
     if ranges is None:
         return None
+    for t in buffers:
+        if t is not None and t.dim() != 1:
+            raise ValueError(f"ranges index 1-D flat buffers; got a buffer of shape {tuple(t.shape)}")
+    n = buffers[0].numel()
     flat, prev = [], 0
     for r in ranges:
         try:
@@ -152,7 +156,7 @@ def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_dec
     ``ranges``: optional ascending, disjoint (lo, hi) pairs; only these elements are updated.
     """
     _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer)
-    flat_ranges = check_ranges(ranges, param.numel())
+    flat_ranges = check_ranges(ranges, param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer)
     if flat_ranges == []:
         return  # no range: nothing to update (the extension reads an empty list as "everything")
     if grad_scale_tensor is not None:
@@ -182,7 +186,7 @@ def grad_norm_reference(grad, ranges=None):
 def grad_norm(grad, ranges=None):
     """L2 norm of a flat gradient buffer as an fp32 0-dim tensor (inf/NaN propagate); with ``ranges``
     (ascending, disjoint (lo, hi) pairs), the norm of those elements only."""
-    flat_ranges = check_ranges(ranges, grad.numel())
+    flat_ranges = check_ranges(ranges, grad)
     if flat_ranges == []:
         return torch.zeros((), dtype=torch.float32, device=grad.device)
     mod = kernel_module("grad_norm", grad)
