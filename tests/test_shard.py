@@ -256,31 +256,39 @@ from test_end_to_end import data_bin, inner_by_update, train  # noqa: E402,F401 
 
 
 def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, tmp_path):  # noqa: F811
-    """lightseq-train on two gloo ranks with the optimizer state sharded (``LS_FAIRSEQ_SHARD_ADAM=1``)
-    and with the whole state on every rank (the default): no clipping, so the updates agree bit for
-    bit, and so do the checkpoints (the sharded run consolidates before saving). The sharded checkpoint
-    resumes on two ranks and on one process with --update-freq 2."""
+    """lightseq-train on two gloo ranks with the optimizer state sharded (``LS_FAIRSEQ_SHARD_ADAM=1``),
+    with ``=p2p`` (gloo has no peer writes: the whole state) and with the whole state on every rank (the
+    default): no clipping, so the updates agree bit for bit, and so do the checkpoints (the sharded run
+    consolidates before saving). The sharded checkpoint resumes on two ranks and on one process with
+    --update-freq 2."""
     from _models import lightseq_train_two_ranks
     from test_end_to_end import TRAIN_FLAGS
 
     flags = [*TRAIN_FLAGS, "--dropout", "0", "--log-interval", "3", "--disable-validation"]
     runs = {}
-    for name, env in (("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}), ("whole", {})):
+    for name, env in (("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}), ("whole", {}),
+                      ("p2p", {"LS_FAIRSEQ_SHARD_ADAM": "p2p"})):
         save = tmp_path / name
         save.mkdir()
         runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, "--max-update", "6"], env=env)
+    # p2p shards only with peer writes, which gloo cannot have: the whole state, every rank agreeing
+    with open(tmp_path / "p2p" / "rank0.log") as f:
+        log = f.read()
+    assert "optimizer state not sharded (no peer writes: the weights are not on one CUDA device)" in log
+    assert "optimizer state sharded over" not in log
     with open(tmp_path / "sharded" / "rank0.log") as f:
         log = f.read()
     assert "optimizer state sharded over 2 ranks" in log
     # peer writes need two CUDA devices: on gloo every rank falls back on the all-gathers together
     assert "sharded weights are all-gathered (no peer writes: the weights are not on one CUDA device)" in log
     assert "the forward waits for the weights' all-gathers layer by layer (4 layers" in log
-    assert sorted(runs["sharded"]) == sorted(runs["whole"]) == [3, 6]
-    for u in (3, 6):
-        for k in ("loss", "nll_loss", "gnorm", "wpb"):
-            assert runs["sharded"][u][k] == runs["whole"][u][k], (u, k)
-    # the toy epoch is 3 updates on two ranks: checkpoint_last.pt was written at updates 3 and 6
-    assert_same_checkpoint_state(*(tmp_path / name / "checkpoint_last.pt" for name in ("sharded", "whole")))
+    for name in ("sharded", "p2p"):
+        assert sorted(runs[name]) == sorted(runs["whole"]) == [3, 6]
+        for u in (3, 6):
+            for k in ("loss", "nll_loss", "gnorm", "wpb"):
+                assert runs[name][u][k] == runs["whole"][u][k], (name, u, k)
+        # the toy epoch is 3 updates on two ranks: checkpoint_last.pt was written at updates 3 and 6
+        assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in (name, "whole")))
 
     # resume the sharded run on two ranks, and on one process with --update-freq 2 (the same batches)
     import shutil
@@ -297,6 +305,23 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
                                     "--disable-validation", "--update-freq", "2", "--max-update", "9"))
     assert sorted(records) == [9]
     assert float(records[9]["loss"]) == pytest.approx(float(more[9]["loss"]), abs=0.01)
+
+
+def test_shard_setting_is_checked(monkeypatch):
+    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
+    from ls_fairseq.fairseq_ext.trainer import shard_adam_requested
+
+    for value, want in (("0", False), ("1", True), ("p2p", "p2p")):
+        monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", value)
+        assert shard_adam_requested() == want
+    monkeypatch.delenv("LS_FAIRSEQ_SHARD_ADAM")
+    assert shard_adam_requested() is False
+    monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", "yes")
+    with pytest.raises(ValueError, match="LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not 'yes'"):
+        shard_adam_requested()
+    opt = LSFairseqAdam(LSAdamConfig(lr=[0.01]), [torch.nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="request_sharding takes True, False or 'p2p', not 'P2P'"):
+        opt.request_sharding("P2P")
 
 
 def _vote_worker(rank, port, out_dir):

@@ -16,8 +16,8 @@ It works under every fairseq precision mode:
   wrapper's overflow check reads.
 
 Sharded state. On several GPUs, once :meth:`LSFairseqAdam.request_sharding` was called (the
-deferred step of ``lightseq-train`` does with ``LS_FAIRSEQ_SHARD_ADAM=1``; by default every rank
-keeps the whole state), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
+deferred step of ``lightseq-train`` does with ``LS_FAIRSEQ_SHARD_ADAM=1``, and with ``=p2p`` only
+where the ranks can write each other's weights; by default every rank keeps the whole state), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
 only its own part of the state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`). On
 two GPUs the update kernel writes the new weights into both GPUs' copies instead, through PyTorch
 symmetric memory (:mod:`ls_fairseq.optim.peer`; ``LS_FAIRSEQ_SHARD_P2P=0`` keeps the all-gathers).
@@ -111,12 +111,16 @@ class LSFairseqAdam(FairseqOptimizer):
     def step(self, closure=None, scale=1.0, groups=None):
         self._optimizer.step(closure, scale=scale)
 
-    def request_sharding(self, on: bool = True):
+    def request_sharding(self, on=True):
         """Shard the optimizer state over the data-parallel ranks whenever the gradients are
         reduced from the backward pass in buckets that split evenly (from the update that installs
-        the overlapped reduction on). The caller must consolidate on every rank before it reads the
-        state (fairseq's ``Trainer.consolidate_optimizer``)."""
-        self._shard_requested = bool(on)
+        the overlapped reduction on). ``on="p2p"``: only where the ranks can write each other's
+        weights (two GPUs of one host, :func:`~ls_fairseq.optim.peer.map_peer_weights`); elsewhere
+        every rank keeps the whole state. The caller must consolidate on every rank before it reads
+        the state (fairseq's ``Trainer.consolidate_optimizer``)."""
+        if on not in (True, False, "p2p"):
+            raise ValueError(f"ls_adam: request_sharding takes True, False or 'p2p', not {on!r}")
+        self._shard_requested = on
 
     @property
     def sharded(self) -> bool:
@@ -164,13 +168,21 @@ class LSFairseqAdam(FairseqOptimizer):
             logger.info("ls_adam: optimizer state not sharded: the gradient buckets do not split into %d equal "
                         "parts (a world size that is a power of two does)", ddp.world_size)
             shard = False
+        peers = None
+        if shard:
+            import torch.distributed as dist
+
+            from ls_fairseq.optim.peer import map_peer_weights
+
+            only_p2p = shard == "p2p"
+            peers = map_peer_weights(self._optimizer.workspaces, dist.get_rank(group), ddp.world_size, group,
+                                     fallback="optimizer state not sharded" if only_p2p else
+                                     "sharded weights are all-gathered")
+            shard = not (only_p2p and peers is None)
         self._reducer = reducer = OverlappedReducer(
             self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=bucket_bytes, shard=shard)
         if shard:
-            from ls_fairseq.optim.peer import map_peer_weights
-
             # the gradients of this update were all-reduced whole: the step may already be sharded
-            peers = map_peer_weights(self._optimizer.workspaces, reducer.rank, ddp.world_size, group)
             self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group, peers=peers)
             logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, %s)",
                         ddp.world_size, ddp.world_size,

@@ -49,8 +49,10 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   is not needed. Checkpoints still hold the whole state. The new weights' all-gathers overlap the
   next forward pass, which waits for each layer's weights in a forward pre-hook; every access to
   the model from outside the train step (validation, checkpoints, ``get_model()``) first waits
-  for all of them. Off by default: on two H200s it was not faster than the whole state on every
-  rank (benchmarks/RESULTS.md).
+  for all of them. ``LS_FAIRSEQ_SHARD_ADAM=p2p`` shards only where the ranks write each other's
+  weights (two GPUs of one host) and keeps the whole state elsewhere. Off by default; with peer writes
+  it was faster than the whole state in four of five pairs on two H200s of one host, on machines too
+  uneven to measure the scaling target (benchmarks/RESULTS.md).
 
 Other host stalls removed for every optimizer:
 
@@ -106,8 +108,14 @@ def plain_trainer_requested() -> bool:
     return os.environ.get("LS_FAIRSEQ_PLAIN_TRAINER") == "1"
 
 
-def shard_adam_requested() -> bool:
-    return os.environ.get("LS_FAIRSEQ_SHARD_ADAM") == "1"
+def shard_adam_requested():
+    """LS_FAIRSEQ_SHARD_ADAM: "1" shards ls_adam's state (True), "p2p" only where the ranks can write
+    each other's weights ("p2p"); unset or "0": every rank keeps the whole state (False)."""
+    value = os.environ.get("LS_FAIRSEQ_SHARD_ADAM", "0")
+    modes = {"0": False, "": False, "1": True, "p2p": "p2p"}
+    if value not in modes:
+        raise ValueError(f"LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not {value!r}")
+    return modes[value]
 
 
 def sync_step_requested() -> bool:
@@ -383,8 +391,9 @@ class LSTrainer(Trainer):
             reason = "the criterion's logging outputs cannot be summed across ranks"
         ok = reason is None
         self._ls_deferred = (opt, ok)
-        if ok and self.data_parallel_world_size > 1 and shard_adam_requested():
-            inner.request_sharding()
+        shard = shard_adam_requested()
+        if ok and self.data_parallel_world_size > 1 and shard:
+            inner.request_sharding(shard)
         if ok:
             logger.info("LSTrainer: deferred step (the loss scale, clipping and the overflow test stay on "
                         "the GPU; each update is settled during the next one)")

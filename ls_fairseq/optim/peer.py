@@ -49,12 +49,12 @@ def _why_not(workspaces: Sequence[FlatWorkspace], world_size: int, group) -> Opt
     return None
 
 
-def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size: int,
-                     group=None) -> Optional[Dict[int, torch.Tensor]]:
+def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size: int, group=None,
+                     fallback: str = "sharded weights are all-gathered") -> Optional[Dict[int, torch.Tensor]]:
     """Collective (every rank of ``group``): move each flat buffer's weights (the low-precision copy,
     or the fp32 weights when there is none) into symmetric memory and return ``{id(buffer): the peer's
     copy of that buffer's weights, addressable from this device}``; None on every rank when any rank
-    cannot (the reason is logged)."""
+    cannot (logged as "``fallback`` (no peer writes: the reason)")."""
     group = group if group is not None else dist.group.WORLD
     reason = _why_not(workspaces, world_size, group)
     buffers = [buf for ws in workspaces for buf in ws.buffers]
@@ -80,7 +80,7 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     elif reason is None and lo != -neg_hi:
         reason = "the ranks run on different hosts"
     if reason is not None:
-        logger.info("ls_adam: sharded weights are all-gathered (no peer writes: %s)", reason)
+        logger.info("ls_adam: %s (no peer writes: %s)", fallback, reason)
         return None
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -93,8 +93,8 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     ok = torch.tensor([int(mapped)], dtype=torch.int32, device=buffers[0].device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if int(ok.item()) == 0:
-        logger.info("ls_adam: sharded weights are all-gathered (the peer's weights are not addressable from "
-                    "this device)")
+        logger.info("ls_adam: %s (no peer writes: the peer's weights are not addressable from this device)",
+                    fallback)
         return None
     for buf in buffers:
         buf.move_params_to(fresh[id(buf)], keep_alive=handles[id(buf)])  # the mapping lives as long
