@@ -26,18 +26,15 @@ for k in $(seq 1 "${ROUNDS:-3}"); do
 done
 python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"
 : > "$OUT/pairs.txt"
-for name in "${names[@]}"; do
-  logs=()
-  for k in $(seq 1 "${ROUNDS:-3}"); do logs+=("$OUT/r${k}a_1gpu_uf2.log" "$OUT/r${k}b_${name}.log"); done
-  echo "== ${name} vs 1 GPU --update-freq 2" | tee -a "$OUT/pairs.txt"
+# ratios TITLE LEFT RIGHT: each round's RIGHT log over its LEFT log (names with @ for the round number)
+ratios() {
+  local logs=() k
+  for k in $(seq 1 "${ROUNDS:-3}"); do logs+=("$OUT/${2//@/$k}.log" "$OUT/${3//@/$k}.log"); done
+  echo "== $1" | tee -a "$OUT/pairs.txt"
   python benchmarks/scaling_pairs.py "${AFTER:-40}" "${logs[@]}" | tee -a "$OUT/pairs.txt"
-done
-for name in "${names[@]:1}"; do
-  logs=()
-  for k in $(seq 1 "${ROUNDS:-3}"); do logs+=("$OUT/r${k}b_${names[0]}.log" "$OUT/r${k}b_${name}.log"); done
-  echo "== ${name} vs ${names[0]}" | tee -a "$OUT/pairs.txt"
-  python benchmarks/scaling_pairs.py "${AFTER:-40}" "${logs[@]}" | tee -a "$OUT/pairs.txt"
-done
+}
+for name in "${names[@]}"; do ratios "${name} vs 1 GPU --update-freq 2" "r@a_1gpu_uf2" "r@b_${name}"; done
+for name in "${names[@]:1}"; do ratios "${name} vs ${names[0]}" "r@b_${names[0]}" "r@b_${name}"; done
 intervals "$OUT"/r*.log | tee -a "$OUT/pairs.txt"
 if [[ -n "${PACK_TO:-}" ]]; then
   mkdir -p "$PACK_TO" && tar czf "$PACK_TO/logs.tgz" -C "$OUT" . && cp "$OUT/pairs.txt" "$PACK_TO/"
