@@ -98,6 +98,27 @@ struct FlatRanges {
   int64_t lo[kMaxRanges], n[kMaxRanges];
 };
 
+// Fills r with the non-empty ranges among bounds' ranges first, first + 1, ... until it holds kMaxRanges;
+// vec_ok(lo) says whether the range starting at lo takes the 4-wide path. Returns the index of the first range
+// not looked at (count when all were), where the next launch starts, and the elements taken in `total`.
+template <typename VecOk>
+static int take_ranges(const int64_t* bounds, int count, int first, VecOk vec_ok, FlatRanges& r, int64_t& total) {
+  r.count = 0;
+  r.vec = 0;
+  total = 0;
+  int k = first;
+  for (; k < count && r.count < kMaxRanges; ++k) {
+    const int64_t lo = bounds[2 * k], n = bounds[2 * k + 1] - lo;
+    if (n <= 0) continue;
+    r.lo[r.count] = lo;
+    r.n[r.count] = n;
+    if (vec_ok(lo)) r.vec |= uint64_t(1) << r.count;
+    ++r.count;
+    total += n;
+  }
+  return k;
+}
+
 template <typename G, typename L>
 __global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
                             float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer,
@@ -128,25 +149,16 @@ static void launch_adam(float* param, const void* grad, float* m, float* v, void
                         const int64_t* bounds, int count, const AdamCoef& c, const float* norm,
                         const float* scale_dev, cudaStream_t stream) {
   const int threads = 256;
-  for (int first = 0; first < count; first += kMaxRanges) {
+  const auto vec_ok = [&](int64_t lo) {
+    return aligned16(param + lo) && aligned16(m + lo) && aligned16(v + lo) &&
+           ((uintptr_t)(static_cast<const G*>(grad) + lo) % (4 * sizeof(G)) == 0) &&
+           (lp == nullptr || (uintptr_t)(static_cast<L*>(lp) + lo) % (4 * sizeof(L)) == 0) &&
+           (peer == nullptr || (uintptr_t)(static_cast<L*>(peer) + lo) % (4 * sizeof(L)) == 0);
+  };
+  for (int first = 0; first < count;) {
     FlatRanges r;
-    r.count = 0;
-    r.vec = 0;
-    int64_t total = 0;
-    for (int k = first; k < count && r.count < kMaxRanges; ++k) {
-      const int64_t lo = bounds[2 * k], n = bounds[2 * k + 1] - lo;
-      if (n <= 0) continue;
-      const G* g = static_cast<const G*>(grad) + lo;
-      const bool vec = aligned16(param + lo) && aligned16(m + lo) && aligned16(v + lo) &&
-                       ((uintptr_t)g % (4 * sizeof(G)) == 0) &&
-                       (lp == nullptr || (uintptr_t)(static_cast<L*>(lp) + lo) % (4 * sizeof(L)) == 0) &&
-                       (peer == nullptr || (uintptr_t)(static_cast<L*>(peer) + lo) % (4 * sizeof(L)) == 0);
-      r.lo[r.count] = lo;
-      r.n[r.count] = n;
-      if (vec) r.vec |= uint64_t(1) << r.count;
-      ++r.count;
-      total += n;
-    }
+    int64_t total;
+    first = take_ranges(bounds, count, first, vec_ok, r, total);
     if (r.count == 0) continue;
     const int blocks =
         (int)std::max<int64_t>(1, std::min<int64_t>((total / 4 + threads - 1) / threads, (int64_t)num_sms() * 8));
@@ -250,26 +262,19 @@ void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int cou
   const int G = (int)std::max<int64_t>(1, std::min<int64_t>((total / 8 + kNormThreads - 1) / kNormThreads,
                                                             std::min(kNormMaxBlocks, num_sms() * 4)));
   const size_t esize = dt == DType::F32 ? 4 : 2;
-  bool first_launch = true;
-  for (int first = 0; first < count || first_launch; first += kMaxRanges) {
+  const auto vec_ok = [&](int64_t lo) { return aligned16(static_cast<const char*>(grad) + lo * esize); };
+  int first = 0;
+  for (bool first_launch = true;; first_launch = false) {
     FlatRanges r;
-    r.count = 0;
-    r.vec = 0;
-    for (int k = first; k < count && r.count < kMaxRanges; ++k) {
-      const int64_t lo = bounds[2 * k], n = bounds[2 * k + 1] - lo;
-      if (n <= 0) continue;
-      r.lo[r.count] = lo;
-      r.n[r.count] = n;
-      if (aligned16(static_cast<const char*>(grad) + lo * esize)) r.vec |= uint64_t(1) << r.count;
-      ++r.count;
-    }
-    if (r.count == 0 && !first_launch) continue;  // the first launch runs even when empty: it zeroes the partials
+    int64_t taken;
+    first = take_ranges(bounds, count, first, vec_ok, r, taken);
+    if (r.count == 0 && !first_launch) break;  // the first launch runs even when empty: it zeroes the partials
     LS_DISPATCH(dt, T, {
       sumsq_partial_kernel<T><<<G, kNormThreads, 0, stream>>>(static_cast<const T*>(grad), r, !first_launch,
                                                                workspace);
       LS_CHECK_LAUNCH("grad_norm partial", stream);
     });
-    first_launch = false;
+    if (first >= count) break;
   }
   sqrt_sum_kernel<<<1, kNormThreads, 0, stream>>>(workspace, G, out);
   LS_CHECK_LAUNCH("grad_norm", stream);
