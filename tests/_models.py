@@ -81,8 +81,15 @@ def spawn_two_ranks(worker, out_dir):
     mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=2, join=True)
 
 
+def save_rank_result(out_dir, rank: int, result) -> None:
+    """What a two-rank worker hands back to its test (read by :func:`two_rank_results`)."""
+    import os
+
+    torch.save(result, os.path.join(str(out_dir), f"rank{rank}.pt"))
+
+
 def two_rank_results(worker, out_dir):
-    """spawn_two_ranks, then what each rank saved as ``rank{r}.pt`` in out_dir."""
+    """spawn_two_ranks, then what each rank saved with :func:`save_rank_result`."""
     import os
 
     spawn_two_ranks(worker, out_dir)

@@ -1,11 +1,9 @@
 """ls_adam's flat all-reduce under fairseq's legacy DDP wrapper, with two gloo processes on the CPU."""
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from _models import two_rank_results
+from _models import save_rank_result, two_rank_results
 
 
 def _model():
@@ -43,7 +41,7 @@ def _worker(rank, port, out_dir):
         results["reduced"] = [p.grad.clone() for p in model.parameters()]
         opt.step()
         results["params"] = [p.detach().clone() for p in model.parameters()]
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank_result(out_dir, rank, results)
     finally:
         dist.destroy_process_group()
 

@@ -3,7 +3,6 @@ plan, and two gloo processes on the CPU that train one replica with the overlapp
 the synchronous reduction after the backward, which must agree bit for bit."""
 
 import datetime
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from ls_fairseq.optim.overlap import bucket_order, plan_buckets
 from ls_fairseq.optim.workspace import FlatWorkspace
 
-from _models import two_rank_results
+from _models import save_rank_result, two_rank_results
 
 
 
@@ -204,7 +203,7 @@ def _worker(rank, port, out_dir):
         opt.all_reduce_grads(wrapped)
         ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)
         out["after_error_equal"] = all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank_result(out_dir, rank, out)
     finally:
         dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ from ls_fairseq.optim.adam import LSAdam
 from ls_fairseq.optim.overlap import bucket_order, shardable
 from ls_fairseq.optim.workspace import FlatWorkspace
 
-from _models import assert_same_checkpoint_state, two_rank_results
+from _models import assert_same_checkpoint_state, save_rank_result, two_rank_results
 from test_overlap import _loss, _replicas
 
 
@@ -170,7 +170,7 @@ def _worker(rank, port, out_dir):
         opt._optimizer.forget_last_step()
         opt._drop_reducer()
         out["after_drop"] = (opt.sharded, opt._optimizer._stale)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank_result(out_dir, rank, out)
     finally:
         dist.destroy_process_group()
 
@@ -236,7 +236,7 @@ def _peer_worker(rank, port, out_dir):
             for n, p, q in zip(names, net.parameters(), ref.parameters()):
                 if not _same(p, q):
                     out["mismatch"].append(f"update {update} param {n}")
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank_result(out_dir, rank, out)
     finally:
         dist.destroy_process_group()
 
@@ -349,7 +349,7 @@ def _vote_worker(rank, port, out_dir):
         lines.lines = []
         got[case] = (peer.map_peer_weights([ws], rank, 2) is None, ws.buffers[0].param is before, lines.lines)
     dist.destroy_process_group()
-    torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
+    save_rank_result(out_dir, rank, got)
 
 
 def test_peer_mapping_needs_every_rank_on_one_host(tmp_path):

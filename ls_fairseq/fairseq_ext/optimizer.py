@@ -17,8 +17,9 @@ It works under every fairseq precision mode:
 
 Sharded state. On several GPUs, once :meth:`LSFairseqAdam.request_sharding` was called (the
 deferred step of ``lightseq-train`` does with ``LS_FAIRSEQ_SHARD_ADAM=1``, and with ``=p2p`` only
-where the ranks can write each other's weights; by default every rank keeps the whole state), the overlapped gradient reduction becomes a reduce-scatter and each rank updates
-only its own part of the state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`). On
+where the ranks can write each other's weights; by default every rank keeps the whole state), the
+overlapped gradient reduction becomes a reduce-scatter and each rank updates only its own part of the
+state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`). On
 two GPUs the update kernel writes the new weights into both GPUs' copies instead, through PyTorch
 symmetric memory (:mod:`ls_fairseq.optim.peer`; ``LS_FAIRSEQ_SHARD_P2P=0`` keeps the all-gathers).
 Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before

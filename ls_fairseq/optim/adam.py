@@ -27,8 +27,7 @@ weights each bucket at a time (the fp16 / bf16 copy, or the fp32 weights themsel
 rank ends the step with all the new weights while it read and wrote only 1/W of the optimizer
 state. With two ranks and peer-mapped weights (``shard_(..., peers=...)``) there is no all-gather: one
 update launch per flat buffer covers all the owned parts and writes them into the other GPU's weights
-as well. The other parts of the
-master weights and moments go stale on this rank.
+as well. The other parts of the master weights and moments go stale on this rank.
 :meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
 a checkpoint) all-gathers them; :meth:`state_dict` refuses to return stale state.
 
