@@ -138,9 +138,9 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):  # n
     update's outcome when it is settled) logs what fairseq's step body logs and ends with the
     same weights, with clipping active. (fp32: fairseq's own fp16 overflow branch needs a CUDA
     build, and the child processes cannot be patched like the in-process tests above.) With the
-    whole optimizer state on every rank (the default) the weights are equal bit for bit; with it
-    sharded (``LS_FAIRSEQ_SHARD_ADAM=1``) the gradient norm is summed in another order, so the
-    clipped updates agree to rounding."""
+    whole optimizer state on every rank (the default on gloo, which has no peer writes) the weights are
+    equal bit for bit; with it sharded (``LS_FAIRSEQ_SHARD_ADAM=1``) the gradient norm is summed in
+    another order, so the clipped updates agree to rounding."""
     from _models import lightseq_train_two_ranks
     from test_end_to_end import TRAIN_FLAGS
 

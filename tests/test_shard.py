@@ -257,17 +257,17 @@ from test_end_to_end import data_bin, inner_by_update, train  # noqa: E402,F401 
 
 def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, tmp_path):  # noqa: F811
     """lightseq-train on two gloo ranks with the optimizer state sharded (``LS_FAIRSEQ_SHARD_ADAM=1``),
-    with ``=p2p`` (gloo has no peer writes: the whole state) and with the whole state on every rank (the
-    default): no clipping, so the updates agree bit for bit, and so do the checkpoints (the sharded run
-    consolidates before saving). The sharded checkpoint resumes on two ranks and on one process with
-    --update-freq 2."""
+    with the default (``p2p``: gloo has no peer writes, so the whole state) and with the whole state on
+    every rank (``=0``): no clipping, so the updates agree bit for bit, and so do the checkpoints (the
+    sharded run consolidates before saving). The sharded checkpoint resumes on two ranks and on one
+    process with --update-freq 2."""
     from _models import lightseq_train_two_ranks
     from test_end_to_end import TRAIN_FLAGS
 
     flags = [*TRAIN_FLAGS, "--dropout", "0", "--log-interval", "3", "--disable-validation"]
     runs = {}
-    for name, env in (("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}), ("whole", {}),
-                      ("p2p", {"LS_FAIRSEQ_SHARD_ADAM": "p2p"})):
+    for name, env in (("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"}),
+                      ("p2p", {})):
         save = tmp_path / name
         save.mkdir()
         runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, "--max-update", "6"], env=env)
@@ -276,6 +276,9 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
         log = f.read()
     assert "optimizer state not sharded (no peer writes: the weights are not on one CUDA device)" in log
     assert "optimizer state sharded over" not in log
+    with open(tmp_path / "whole" / "rank0.log") as f:
+        log = f.read()
+    assert "peer writes" not in log and "optimizer state sharded over" not in log
     with open(tmp_path / "sharded" / "rank0.log") as f:
         log = f.read()
     assert "optimizer state sharded over 2 ranks" in log
@@ -315,7 +318,9 @@ def test_shard_setting_is_checked(monkeypatch):
         monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", value)
         assert shard_adam_requested() == want
     monkeypatch.delenv("LS_FAIRSEQ_SHARD_ADAM")
-    assert shard_adam_requested() is False
+    assert shard_adam_requested() == "p2p"  # the default: shard where the ranks write each other's weights
+    monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", "")
+    assert shard_adam_requested() == "p2p"
     monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", "yes")
     with pytest.raises(ValueError, match="LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not 'yes'"):
         shard_adam_requested()

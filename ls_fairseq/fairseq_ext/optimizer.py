@@ -16,8 +16,8 @@ It works under every fairseq precision mode:
   wrapper's overflow check reads.
 
 Sharded state. On several GPUs, once :meth:`LSFairseqAdam.request_sharding` was called (the
-deferred step of ``lightseq-train`` does with ``LS_FAIRSEQ_SHARD_ADAM=1``, and with ``=p2p`` only
-where the ranks can write each other's weights; by default every rank keeps the whole state), the
+deferred step of ``lightseq-train`` does: by default, ``LS_FAIRSEQ_SHARD_ADAM=p2p``, only where the
+ranks can write each other's weights; with ``=1`` always; ``=0`` keeps the whole state on every rank), the
 overlapped gradient reduction becomes a reduce-scatter and each rank updates only its own part of the
 state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`). On
 two GPUs the update kernel writes the new weights into both GPUs' copies instead, through PyTorch

@@ -41,7 +41,7 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   host with the update's outcome, so fairseq's meters get host numbers when the update is
   resolved (with device tensors as weights they would wait for the GPU), and the cross-rank
   gradient-norm check is evaluated then too;
-* multi-GPU, with ``LS_FAIRSEQ_SHARD_ADAM=1``: ls_adam keeps its state sharded over the ranks
+* multi-GPU, sharded (``LS_FAIRSEQ_SHARD_ADAM``): ls_adam keeps its state sharded over the ranks
   (:mod:`ls_fairseq.optim.adam`): the gradients are reduce-scattered during the backward, each
   rank runs Adam on its own part and the weights are all-gathered (on two GPUs the Adam kernel stores
   them into both GPUs' copies instead, :mod:`ls_fairseq.optim.peer`). The gradient norm is then one
@@ -49,10 +49,10 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   is not needed. Checkpoints still hold the whole state. The new weights' all-gathers overlap the
   next forward pass, which waits for each layer's weights in a forward pre-hook; every access to
   the model from outside the train step (validation, checkpoints, ``get_model()``) first waits
-  for all of them. ``LS_FAIRSEQ_SHARD_ADAM=p2p`` shards only where the ranks write each other's
-  weights (two GPUs of one host) and keeps the whole state elsewhere. Off by default; with peer writes
-  it was faster than the whole state in four of five pairs on two H200s of one host, on machines too
-  uneven to measure the scaling target (benchmarks/RESULTS.md).
+  for all of them. ``LS_FAIRSEQ_SHARD_ADAM=p2p``, the default, shards only where the ranks write each
+  other's weights (two GPUs of one host) and keeps the whole state elsewhere; ``=0`` keeps the whole
+  state everywhere. With peer writes the sharded step was faster than the whole state in six of eight
+  same-machine pairs on two H200s of one host, by 9% at the median (benchmarks/RESULTS.md).
 
 Other host stalls removed for every optimizer:
 
@@ -109,10 +109,10 @@ def plain_trainer_requested() -> bool:
 
 
 def shard_adam_requested():
-    """LS_FAIRSEQ_SHARD_ADAM: "1" shards ls_adam's state (True), "p2p" only where the ranks can write
-    each other's weights ("p2p"); unset or "0": every rank keeps the whole state (False)."""
-    value = os.environ.get("LS_FAIRSEQ_SHARD_ADAM", "0")
-    modes = {"0": False, "": False, "1": True, "p2p": "p2p"}
+    """LS_FAIRSEQ_SHARD_ADAM: "1" shards ls_adam's state (True); "p2p", the default, only where the
+    ranks can write each other's weights ("p2p"); "0": every rank keeps the whole state (False)."""
+    value = os.environ.get("LS_FAIRSEQ_SHARD_ADAM", "p2p")
+    modes = {"0": False, "1": True, "p2p": "p2p", "": "p2p"}
     if value not in modes:
         raise ValueError(f"LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not {value!r}")
     return modes[value]

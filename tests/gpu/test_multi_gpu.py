@@ -57,23 +57,23 @@ def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_p
 
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("peer", ["peer_writes", "all_gathers", "p2p_setting"])
+@pytest.mark.parametrize("peer", ["peer_writes", "all_gathers", "default"])
 def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, precision, peer):  # noqa: F811
     """NCCL's in-place reduce-scatter, then the new weights reach the other GPU either through the
     update kernel's own stores into it (symmetric memory, the default on two GPUs) or through
-    all-gathers (``LS_FAIRSEQ_SHARD_P2P=0``): the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or ``=p2p``,
-    which on two GPUs of one host shards with peer writes) takes the
-    updates of the run with the whole optimizer state on every rank bit for bit (no clipping: the
+    all-gathers (``LS_FAIRSEQ_SHARD_P2P=0``): the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or the
+    default ``=p2p``, which on two GPUs of one host shards with peer writes) takes the updates of the
+    run with the whole optimizer state on every rank (``=0``) bit for bit (no clipping: the
     norm, summed in another order, only decides overflows), and its checkpoint holds the same whole
     state."""
     _need_two_gpus()
     flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
              "--grouped-shuffling", "--disable-validation"]
     sharded_env = {"LS_FAIRSEQ_SHARD_ADAM": "1", "LS_FAIRSEQ_SHARD_P2P": "0" if peer == "all_gathers" else "1"}
-    if peer == "p2p_setting":
-        sharded_env["LS_FAIRSEQ_SHARD_ADAM"] = "p2p"
+    if peer == "default":
+        sharded_env = {}
     runs = {}
-    for name, env in (("sharded", sharded_env), ("whole", {})):
+    for name, env in (("sharded", sharded_env), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})):
         (tmp_path / name).mkdir()
         runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
                                               backend="nccl")
