@@ -104,3 +104,56 @@ def test_counted_rows_found_on_the_host_for_ls_models_only():
     assert trainer._counted_rows({"net_input": {}}) is None  # no target
     trainer._model = nn.Linear(2, 2)  # not an ls_transformer: its forward takes no logit_rows
     assert trainer._counted_rows({"target": tgt}) is None
+
+
+def test_per_update_seed_leaves_fairseqs_generator_state(monkeypatch):
+    """LSTrainer._set_seed seeds the generators directly; the CPU generator ends in the state that
+    fairseq's utils.set_torch_seed leaves (same draws), and a backend this shortcut does not know
+    sends the call to fairseq's own seeding."""
+    from fairseq import utils
+
+    from ls_fairseq.fairseq_ext import trainer as tr
+
+    for seed in (1, 12345, 2**40 + 7):
+        utils.set_torch_seed(seed)
+        want, want_draw = torch.get_rng_state(), torch.rand(7)
+        torch.manual_seed(999)
+        tr.seed_generators(seed)
+        assert torch.equal(torch.get_rng_state(), want)
+        assert torch.equal(torch.rand(7), want_draw)
+    with pytest.raises(TypeError, match="seed must be an int, not float"):
+        tr.seed_generators(1.0)
+
+    class _Trainer:  # the two attributes _set_seed reads
+        cfg = type("C", (), {"common": type("D", (), {"seed": 3})})()
+
+        def get_num_updates(self):
+            return 40
+
+    LSTrainer._set_seed(_Trainer())
+    got = torch.rand(3)
+    torch.manual_seed(43)
+    assert torch.equal(got, torch.rand(3))
+
+    calls = []
+    monkeypatch.setattr(utils, "set_torch_seed", lambda s: calls.append(s))
+    monkeypatch.setitem(tr._SEEDED, "other", True)
+    tr.seed_generators(5)
+    assert calls == [5]
+    monkeypatch.setitem(tr._SEEDED, "other", False)
+    tr.seed_generators(6)
+    assert calls == [5]
+
+
+def test_step_labels_reach_a_running_profiler_only():
+    from torch.profiler import ProfilerActivity, profile
+
+    from ls_fairseq.fairseq_ext.trainer import _label
+
+    assert not torch.autograd._profiler_enabled()
+    with _label("optimizer") as got:
+        assert got is None  # nothing recorded, nothing to record into
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _label("optimizer"):
+            torch.ones(3).sum()
+    assert [e.name for e in prof.events()].count("optimizer") == 1

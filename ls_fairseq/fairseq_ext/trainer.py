@@ -64,7 +64,11 @@ Other host stalls removed for every optimizer:
   stay in training mode (anything that switches the model to evaluation through its root,
   validation or generation, makes the next step walk again);
 * with an ls_transformer, the target positions ls_label_smoothed_cross_entropy counts and
-  whether the source has padding are found while the batch is still on the host.
+  whether the source has padding are found while the batch is still on the host;
+* the per-update seed (fairseq's ``_set_seed``) seeds the CPU and CUDA generators directly
+  (:func:`seed_generators`). ``torch.manual_seed`` also queues a seed for every backend that is not
+  initialised (XPU, MTIA, and CUDA itself before its first use), each with a formatted copy of the
+  Python stack, on every update; that came to ~1-2 ms of host time per update.
 
 ``--grouped-shuffling`` keeps all batches of one update (every rank, every micro-batch)
 together, so the ranks of an update get batches of similar length and cost
@@ -116,6 +120,46 @@ def shard_adam_requested():
     if value not in modes:
         raise ValueError(f"LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not {value!r}")
     return modes[value]
+
+
+def _label(name: str):
+    """fairseq's ``record_function`` label for a part of the step, while a profiler records (the
+    label costs tens of microseconds of host time per use when none does)."""
+    return torch.autograd.profiler.record_function(name) if torch.autograd._profiler_enabled() \
+        else contextlib.nullcontext()
+
+
+def _other_seeded_backends() -> bool:
+    """Whether ``torch.manual_seed`` would seed a generator besides the CPU's and CUDA's (MPS, XPU,
+    MTIA, a registered custom device); decided once per process, unknown counts as yes."""
+    if "other" not in _SEEDED:
+        try:
+            _SEEDED["other"] = bool(
+                torch.backends.mps.is_available() or torch.xpu.is_available() or torch.mtia.is_available()
+                or torch._C._get_privateuse1_backend_name() != "privateuseone")
+        except Exception:  # noqa: BLE001 - a torch without one of these probes: keep torch's own seeding
+            _SEEDED["other"] = True
+    return _SEEDED["other"]
+
+
+_SEEDED = {}
+
+
+def seed_generators(seed: int) -> None:
+    """The generator state that fairseq's ``utils.set_torch_seed(seed)`` leaves behind when the
+    object is dropped, as ``Trainer._set_seed`` does on every update: the CPU generator and every
+    CUDA device's generator seeded with ``seed``. Seeded directly when those are the only ones
+    (CUDA initialised or absent, no other backend, no XLA); otherwise through fairseq's call."""
+    if not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+    cuda = torch.cuda.is_available()
+    if utils.xm is not None or _other_seeded_backends() or (cuda and not torch.cuda.is_initialized()):
+        utils.set_torch_seed(seed)
+        return
+    torch.default_generator.manual_seed(seed)
+    if cuda:
+        for gen in torch.cuda.default_generators:
+            gen.manual_seed(seed)
 
 
 def sync_step_requested() -> bool:
@@ -366,6 +410,10 @@ class LSTrainer(Trainer):
         self._ls_train_mode_set = True
         return out
 
+    def _set_seed(self):
+        """fairseq's per-update seed (the seed plus the update count), without torch's lazy queues."""
+        seed_generators(self.cfg.common.seed + self.get_num_updates())
+
     def _deferred_step_applies(self) -> bool:
         """Whether this run can take the step without host reads (decided once per optimizer)."""
         opt = self.optimizer
@@ -468,7 +516,7 @@ class LSTrainer(Trainer):
                 logging_outputs, sample_size, ooms, train_time, ignore=is_dummy_batch)
             self._cumulative_training_time = total_train_time / world
 
-        with torch.autograd.profiler.record_function("reduce-grads"):
+        with _label("reduce-grads"):
             opt.all_reduce_grads(self.model)
             if utils.has_parameters(self.criterion):
                 opt.all_reduce_grads(self.criterion)
@@ -477,7 +525,7 @@ class LSTrainer(Trainer):
         # learning rate, the step count and the loss scale that depend on it
         self._ls_resolve()
 
-        with torch.autograd.profiler.record_function("clip-grads"):
+        with _label("clip-grads"):
             numer = world if sync_stats else 1
             if torch.is_tensor(sample_size):
                 factor = numer / torch.where(sample_size == 0, torch.ones_like(sample_size), sample_size)
@@ -512,7 +560,7 @@ class LSTrainer(Trainer):
                 distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
                 status.append(buf)  # copied by _PendingStep before the next update reuses it
 
-        with torch.autograd.profiler.record_function("optimizer"):
+        with _label("optimizer"):
             ls_adam._optimizer._grad_factor = factor  # read by the kernel; not finite: no update
             ls_adam.step()
             if scale is not None:
