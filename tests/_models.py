@@ -109,7 +109,8 @@ def lightseq_train_two_ranks(data, save_dir, log_dir, flags, env=None, timeout: 
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    # a rank that aborts prints its Python stack into its log
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(env or {}))
     procs, logs = [], []
     for rank in (0, 1):
         prefix = runner(rank) if runner is not None else [sys.executable, "-m", "ls_fairseq.cli.train"]
