@@ -7,6 +7,9 @@
 #   VARIANTS: space-separated NAME=ENV, ENV a comma-separated list of assignments for the 2-GPU run or "-",
 #             e.g. VARIANTS="whole=LS_FAIRSEQ_SHARD_ADAM=0 sharded=LS_FAIRSEQ_SHARD_ADAM=1".
 #             Default: one variant "2gpu" with TWO_ENV (e.g. TWO_ENV=LS_FAIRSEQ_SHARD_ADAM=1).
+#   PROBE=1:  first, benchmarks/host_probe.py on GPU 0 (t2t, 8192 tokens, 12 batches): host and GPU ms of the
+#             forward, backward and optimizer step, into machine.txt. Where the host ms of a step come close
+#             to its GPU ms, the 2-GPU runs (one micro-batch per update) are host-bound on this machine.
 #   PACK_TO:  a folder that receives logs.tgz (every log) and pairs.txt: a device call that may bring back
 #             only a few files sets OUT to a scratch folder and PACK_TO to its own output folder, in this
 #             order: PACK_TO=$OUT OUT=/tmp/rounds bash benchmarks/gpu_scaling_rounds.sh
@@ -16,6 +19,10 @@ G=(--max-update "${UPDATES:-120}" --grouped-shuffling)
 read -r -a variants <<< "${VARIANTS:-2gpu=${TWO_ENV:--}}"
 names=()
 for v in "${variants[@]}"; do names+=("${v%%=*}"); done
+if [[ "${PROBE:-0}" == 1 ]]; then
+  CUDA_VISIBLE_DEVICES=0 python benchmarks/host_probe.py "${COMMON[@]}" --batches 12 --skip-cprofile 2>&1 \
+    | grep -E "^(STEP|PHASE)" | tee -a "$OUT/machine.txt"
+fi
 for k in $(seq 1 "${ROUNDS:-3}"); do
   run "r${k}a_1gpu_uf2" env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
   for v in "${variants[@]}"; do
