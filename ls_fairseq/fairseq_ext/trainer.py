@@ -51,8 +51,8 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   the model from outside the train step (validation, checkpoints, ``get_model()``) first waits
   for all of them. ``LS_FAIRSEQ_SHARD_ADAM=p2p``, the default, shards only where the ranks write each
   other's weights (two GPUs of one host) and keeps the whole state elsewhere; ``=0`` keeps the whole
-  state everywhere. With peer writes the sharded step was faster than the whole state in six of eight
-  same-machine pairs on two H200s of one host, by 9% at the median (benchmarks/RESULTS.md).
+  state everywhere. With peer writes the sharded step was faster than the whole state in seven of ten
+  same-machine pairs on two H200s of one host, by 8% at the median (benchmarks/RESULTS.md).
 
 Other host stalls removed for every optimizer:
 
