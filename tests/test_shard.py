@@ -345,12 +345,19 @@ def _vote_worker(rank, port, out_dir):
     lg, lines = logging.getLogger("ls_fairseq.optim.peer"), _Lines()
     lg.addHandler(lines)
     lg.setLevel(logging.INFO)
+    def no_peer_access(t, group):
+        raise RuntimeError("peer access is not supported between these devices")
+
     got = {}
-    for case in ("other_host", "other_rank_cannot"):
+    for case in ("other_host", "other_rank_cannot", "mapping_fails", "mapping_fails_on_one"):
         ws = FlatWorkspace([torch.nn.Parameter(torch.randn(10))])
         before = ws.buffers[0].param
         peer._why_not = lambda *a, case=case: "cannot here" if case == "other_rank_cannot" and rank == 1 else None
         socket.gethostname = lambda case=case: f"host{rank}" if case == "other_host" else "host"
+        # the rendezvous itself refuses (every rank, or only rank 1 while rank 0 maps a stand-in of the peer)
+        fails = case == "mapping_fails" or (case == "mapping_fails_on_one" and rank == 1)
+        stand_in = SimpleNamespace(get_buffer=lambda peer, shape, dtype, offset: torch.empty(shape, dtype=dtype))
+        symm_mem.rendezvous = no_peer_access if fails else (lambda t, group, h=stand_in: h)
         lines.lines = []
         got[case] = (peer.map_peer_weights([ws], rank, 2) is None, ws.buffers[0].param is before, lines.lines)
     dist.destroy_process_group()
@@ -365,4 +372,9 @@ def test_peer_mapping_needs_every_rank_on_one_host(tmp_path):
                                               "run on different hosts)"]
     for rank, why in ((0, "another rank cannot"), (1, "cannot here")):
         none, unmoved, lines = got[rank]["other_rank_cannot"]
+        assert none and unmoved and lines == [f"ls_adam: sharded weights are all-gathered (no peer writes: {why})"]
+    refused = "symmetric memory mapping failed (peer access is not supported between these devices)"
+    for rank, case, why in ((0, "mapping_fails", refused), (1, "mapping_fails", refused),
+                            (0, "mapping_fails_on_one", "another rank cannot"), (1, "mapping_fails_on_one", refused)):
+        none, unmoved, lines = got[rank][case]
         assert none and unmoved and lines == [f"ls_adam: sharded weights are all-gathered (no peer writes: {why})"]

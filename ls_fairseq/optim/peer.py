@@ -85,16 +85,19 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     import torch.distributed._symmetric_memory as symm_mem
 
     peer, peers, handles = 1 - rank, {}, {}
-    for buf in buffers:
-        t = fresh[id(buf)]
-        handles[id(buf)] = handle = symm_mem.rendezvous(t, group)
-        peers[id(buf)] = handle.get_buffer(peer, (buf.numel,), t.dtype, 0)
-    mapped = all(v.device == buf.device for buf, v in zip(buffers, peers.values()))
-    ok = torch.tensor([int(mapped)], dtype=torch.int32, device=buffers[0].device)
+    try:
+        for buf in buffers:
+            t = fresh[id(buf)]
+            handles[id(buf)] = handle = symm_mem.rendezvous(t, group)
+            peers[id(buf)] = handle.get_buffer(peer, (buf.numel,), t.dtype, 0)
+        mapped = all(v.device == buf.device for buf, v in zip(buffers, peers.values()))
+        reason = None if mapped else "the peer's weights are not addressable from this device"
+    except Exception as e:  # noqa: BLE001 - e.g. two GPUs without peer access: every rank falls back together
+        reason = f"symmetric memory mapping failed ({e})"
+    ok = torch.tensor([int(reason is None)], dtype=torch.int32, device=buffers[0].device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if int(ok.item()) == 0:
-        logger.info("ls_adam: %s (no peer writes: the peer's weights are not addressable from this device)",
-                    fallback)
+        logger.info("ls_adam: %s (no peer writes: %s)", fallback, reason or "another rank cannot")
         return None
     for buf in buffers:
         buf.move_params_to(fresh[id(buf)], keep_alive=handles[id(buf)])  # the mapping lives as long
