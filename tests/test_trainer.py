@@ -40,11 +40,17 @@ def test_lightseq_train_uses_ls_trainer_unless_asked_not_to(monkeypatch):
 def test_process_group_is_destroyed_after_training(tmp_path):
     import torch.distributed as dist
 
+    from fairseq.distributed import utils as distributed_utils
+
     assert not ls_train.destroy_process_group()  # nothing to do
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp_path, 'store')}", rank=0, world_size=1)
     assert dist.is_initialized()
+    distributed_utils.get_global_group()  # fairseq's training makes this group and keeps it on the function
+    assert hasattr(distributed_utils.get_global_group, "_global_group")
     assert ls_train.destroy_process_group()
     assert not dist.is_initialized()
+    # not kept alive until the interpreter shuts down (and a stale group for the next init)
+    assert not hasattr(distributed_utils.get_global_group, "_global_group")
 
 
 def test_training_mode_walk_is_skipped_only_while_the_roots_stay_in_training(monkeypatch):

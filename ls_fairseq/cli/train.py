@@ -113,13 +113,20 @@ def _train_main(cfg, **kwargs):
 def destroy_process_group() -> bool:
     """Tear down torch.distributed after training (fairseq leaves it up: every rank then prints
     PyTorch's resource-leak warning, and a rank whose peer exited first prints a store error).
-    Returns True when there was a group to destroy."""
-    import torch.distributed as dist
+    Returns True when there was a group to destroy.
 
+    fairseq keeps the group ``get_global_group()`` made on that function; that reference is dropped
+    too, so the group is freed (its gloo worker threads joined) here, not while the interpreter shuts
+    down, where a rank could abort with "terminate called without an active exception"."""
+    import torch.distributed as dist
+    from fairseq.distributed import utils as distributed_utils
+
+    destroyed = False
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        return True
-    return False
+        destroyed = True
+    distributed_utils.get_global_group.__dict__.pop("_global_group", None)
+    return destroyed
 
 
 def use_ls_trainer(fairseq_train_module) -> bool:
