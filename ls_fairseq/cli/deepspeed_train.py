@@ -516,6 +516,9 @@ def main(args) -> None:
     start = time.time()
     train(cfg, trainer, epoch_itr)
     logger.info(f"training took {time.time() - start:.1f} s")
+    from ls_fairseq.cli.train import destroy_process_group
+
+    destroy_process_group()  # while the process runs normally, not at interpreter shutdown
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
