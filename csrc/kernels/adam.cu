@@ -191,14 +191,6 @@ void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad
   });
 }
 
-void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
-               void* param_lp, void* param_lp_peer, int64_t n, AdamArgs a, const float* norm,
-               const float* scale_dev, cudaStream_t stream) {
-  const int64_t whole[2] = {0, n};
-  adam_step_ranges(grad_dt, lp_dt, param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, whole, 1, a, norm,
-                   scale_dev, stream);
-}
-
 // ================================================================ grad norm
 constexpr int kNormThreads = 512, kNormMaxBlocks = 1024;
 
@@ -278,11 +270,6 @@ void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int cou
   }
   sqrt_sum_kernel<<<1, kNormThreads, 0, stream>>>(workspace, G, out);
   LS_CHECK_LAUNCH("grad_norm", stream);
-}
-
-void grad_norm(DType dt, const void* grad, int64_t n, float* workspace, float* out, cudaStream_t stream) {
-  const int64_t whole[2] = {0, n};
-  grad_norm_ranges(dt, grad, whole, 1, workspace, out, stream);
 }
 
 }  // namespace ls

@@ -112,22 +112,19 @@ struct AdamArgs {
   int64_t step;
   bool torch_mode;  // false: fairseq's Adam, true: torch.optim.AdamW
 };
-// In-place update; param_lp (nullable) of lp_dt receives the new param, and so does param_lp_peer (nullable,
-// of lp_dt: a peer GPU's copy of the same range, written with system-scope fenced stores). If norm (nullable, device
-// fp32 scalar) is not finite, nothing is written (the step is skipped on the device). scale_dev (nullable,
-// device fp32 scalar) multiplies args.grad_scale on the device; a non-finite value also skips the step.
-void adam_step(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
-               void* param_lp, void* param_lp_peer, int64_t n, AdamArgs args, const float* norm,
-               const float* scale_dev, cudaStream_t stream);
-// The same update over `count` ranges [bounds[2k], bounds[2k+1]) of the same flat buffers (all pointers are
-// bases: the ranges offset every buffer alike), one launch per 64 ranges. The ranges must not overlap.
+// In-place update of `count` ranges [bounds[2k], bounds[2k+1]) of the same flat buffers (all pointers are
+// bases: the ranges offset every buffer alike; {0, n} is the whole buffer), one launch per 64 ranges. The
+// ranges must not overlap. param_lp (nullable) of lp_dt receives the new param, and so does param_lp_peer
+// (nullable, of lp_dt: a peer GPU's copy of the same buffer, written with system-scope fenced stores). If norm
+// (nullable, device fp32 scalar) is not finite, nothing is written (the step is skipped on the device).
+// scale_dev (nullable, device fp32 scalar) multiplies args.grad_scale on the device; a non-finite value also
+// skips the step.
 void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                       void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs args,
                       const float* norm, const float* scale_dev, cudaStream_t stream);
 int64_t grad_norm_workspace();
-// out = ||grad||_2 (fp32 scalar); inf/NaN propagate. Deterministic (two fixed-shape passes).
-void grad_norm(DType dt, const void* grad, int64_t n, float* workspace, float* out, cudaStream_t stream);
-// out = the L2 norm of the union of `count` ranges [bounds[2k], bounds[2k+1]) of grad; deterministic.
+// out = the L2 norm (fp32 scalar) of the union of `count` ranges [bounds[2k], bounds[2k+1]) of grad ({0, n}: all
+// of it); inf/NaN propagate. Deterministic (fixed-shape passes).
 void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int count, float* workspace, float* out,
                       cudaStream_t stream);
 
