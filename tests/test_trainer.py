@@ -143,10 +143,10 @@ def test_per_update_seed_leaves_fairseqs_generator_state(monkeypatch):
 
     calls = []
     monkeypatch.setattr(utils, "set_torch_seed", lambda s: calls.append(s))
-    monkeypatch.setitem(tr._SEEDED, "other", True)
+    monkeypatch.setattr(tr, "_other_seeded_backends", lambda: True)
     tr.seed_generators(5)
     assert calls == [5]
-    monkeypatch.setitem(tr._SEEDED, "other", False)
+    monkeypatch.setattr(tr, "_other_seeded_backends", lambda: False)
     tr.seed_generators(6)
     assert calls == [5]
 

@@ -83,6 +83,7 @@ with their own ``optimizer_step`` take fairseq's step body.
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 import os
@@ -130,20 +131,15 @@ def _label(name: str):
         else contextlib.nullcontext()
 
 
+@functools.lru_cache(maxsize=None)
 def _other_seeded_backends() -> bool:
     """Whether ``torch.manual_seed`` would seed a generator besides the CPU's and CUDA's (MPS, XPU,
     MTIA, a registered custom device); decided once per process, unknown counts as yes."""
-    if "other" not in _SEEDED:
-        try:
-            _SEEDED["other"] = bool(
-                torch.backends.mps.is_available() or torch.xpu.is_available() or torch.mtia.is_available()
-                or torch._C._get_privateuse1_backend_name() != "privateuseone")
-        except Exception:  # noqa: BLE001 - a torch without one of these probes: keep torch's own seeding
-            _SEEDED["other"] = True
-    return _SEEDED["other"]
-
-
-_SEEDED = {}
+    try:
+        return bool(torch.backends.mps.is_available() or torch.xpu.is_available() or torch.mtia.is_available()
+                    or torch._C._get_privateuse1_backend_name() != "privateuseone")
+    except Exception:  # noqa: BLE001 - a torch without one of these probes: keep torch's own seeding
+        return True
 
 
 def seed_generators(seed: int) -> None:
