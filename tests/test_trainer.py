@@ -163,3 +163,23 @@ def test_step_labels_reach_a_running_profiler_only():
         with _label("optimizer"):
             torch.ones(3).sum()
     assert [e.name for e in prof.events()].count("optimizer") == 1
+
+
+def test_step_timing_summary_takes_medians_after_the_warm_up():
+    from ls_fairseq.fairseq_ext.trainer import step_timing_summary
+
+    assert step_timing_summary([], [], [], []) is None
+    # 8 updates of two micro-batches; the first two (a quarter) are slow warm-up updates
+    micro = [[90.0, 80.0], [70.0, 60.0]] + [[10.0, 12.0]] * 5 + [[11.0, 30.0]]
+    updates = [200.0, 150.0] + [25.0] * 5 + [45.0]
+    tails = [20.0, 20.0] + [3.0] * 6
+    gaps = [None, 50.0] + [0.5] * 5 + [4.5]
+    line = step_timing_summary(micro, updates, tails, gaps)
+    assert line.startswith("step timing: 8 updates, medians over the last 6: update 25.00 ms")
+    assert "micro-batch fwd+bwd 11.50 ms" in line  # median of 10, 12 (five times each), 11 and 30
+    assert "after the last backward 3.00 ms" in line
+    assert "between updates 0.50 ms (mean 1.17, max 4.50)" in line
+    assert "pairs of micro-batches: mean 11.00 ms, slower of the two 12.00 ms" in line
+    # one micro-batch per update: no pair figures; a single update is kept whole
+    line = step_timing_summary([[9.0]], [10.0], [1.0], [None])
+    assert "medians over the last 1: update 10.00 ms" in line and "pairs" not in line and "between" not in line

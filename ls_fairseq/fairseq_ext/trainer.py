@@ -331,14 +331,48 @@ def _inner_and_scaler(opt):
     return opt, None
 
 
+def step_timing_summary(micro, updates, tails, gaps, skip=0.25):
+    """The line ``LS_FAIRSEQ_STEP_TIMING=1`` logs: medians over the updates after the first ``skip``
+    fraction (allocator and autotuning warm-up), all in GPU milliseconds.
+
+    ``micro``: per update, the forward + backward of each micro-batch; ``updates``: first
+    micro-batch start to the end of the optimizer step; ``tails``: end of the last backward to
+    the end of the optimizer step (gradient reduction still running, norm, Adam); ``gaps``: the
+    end of the previous update to the start of this one (the sample's copy and whatever the GPU
+    waited for: a gap well above a few hundred microseconds means it waited for the host)."""
+    import statistics
+
+    n = len(updates)
+    if n == 0:
+        return None
+    first = min(int(n * skip), n - 1)
+    med = statistics.median
+    flat = [m for ms in micro[first:] for m in ms]
+    line = (f"step timing: {n} updates, medians over the last {n - first}: update {med(updates[first:]):.2f} ms, "
+            f"micro-batch fwd+bwd {med(flat):.2f} ms, after the last backward {med(tails[first:]):.2f} ms")
+    kept_gaps = [g for g in gaps[first:] if g is not None]
+    if kept_gaps:
+        line += (f", between updates {med(kept_gaps):.2f} ms (mean {statistics.mean(kept_gaps):.2f}, "
+                 f"max {max(kept_gaps):.2f})")
+    pairs = [ms for ms in micro[first:] if len(ms) == 2]
+    if pairs:
+        line += (f", pairs of micro-batches: mean {med([sum(ms) / 2 for ms in pairs]):.2f} ms, slower of the two "
+                 f"{med([max(ms) for ms in pairs]):.2f} ms")
+    return line
+
+
 class _StepTimer:
     """``LS_FAIRSEQ_STEP_TIMING=1`` (CUDA, deferred step): GPU milliseconds of every micro-batch's
-    forward + backward and of every whole update, from CUDA events read when the update is settled
-    (no extra waits); a summary line is logged at exit. For benchmarks: it shows how far the
-    per-batch times of data-parallel ranks differ (the slowest rank sets the pace)."""
+    forward + backward, of every whole update, of its part after the last backward, and of the
+    time between updates, from CUDA events read when the update is settled (no extra waits); a
+    summary line (:func:`step_timing_summary`) is logged at exit by every rank. For benchmarks:
+    it shows how far the per-batch times of data-parallel ranks differ (the slowest rank sets the
+    pace) and whether the GPU waits for the host between updates."""
 
-    def __init__(self):
-        self.micro, self.updates = [], []
+    def __init__(self, rank=0):
+        self.rank = rank
+        self.micro, self.updates, self.tails, self.gaps = [], [], [], []
+        self.last_end = None
         import atexit
 
         atexit.register(self.report)
@@ -352,21 +386,14 @@ class _StepTimer:
         marks = [e.elapsed_time(f) for e, f in zip(events[:-2:2], events[1:-1:2])]
         self.micro.append(marks)
         self.updates.append(events[0].elapsed_time(events[-1]))
+        self.tails.append(events[-2].elapsed_time(events[-1]))
+        self.gaps.append(self.last_end.elapsed_time(events[0]) if self.last_end is not None else None)
+        self.last_end = events[-1]
 
     def report(self):
-        if not self.updates:
-            return
-        import statistics
-
-        flat = [m for ms in self.micro for m in ms]
-        pairs = [max(ms) for ms in self.micro if len(ms) == 2]
-        means = [sum(ms) / len(ms) for ms in self.micro if len(ms) == 2]
-        line = (f"step timing: {len(self.updates)} updates, update {statistics.mean(self.updates):.2f} ms, "
-                f"micro-batch fwd+bwd {statistics.mean(flat):.2f} ms (stdev {statistics.pstdev(flat):.2f})")
-        if pairs:
-            line += (f", pairs of micro-batches: mean {statistics.mean(means):.2f} ms, slower of the two "
-                     f"{statistics.mean(pairs):.2f} ms")
-        logger.info(line)
+        line = step_timing_summary(self.micro, self.updates, self.tails, self.gaps)
+        if line is not None:
+            logger.warning("rank %d %s", self.rank, line)
 
 
 class LSTrainer(Trainer):
@@ -612,7 +639,7 @@ class LSTrainer(Trainer):
     def _step_timer(self):
         if "_ls_timer" not in self.__dict__:
             on = self.cuda and os.environ.get("LS_FAIRSEQ_STEP_TIMING") == "1"
-            self._ls_timer = _StepTimer() if on else None
+            self._ls_timer = _StepTimer(self.data_parallel_rank) if on else None
         return self._ls_timer
 
     def _device_loss_scale(self, scaler):
