@@ -194,16 +194,14 @@ def test_sharded_adam_equals_the_whole_state_on_two_ranks(tmp_path):
     assert [n for n, _ in got[0]["norms"]] == [n for n, _ in got[1]["norms"]]
 
 
-def _peer_worker(rank, port, out_dir, deferred=False):
+def _peer_worker(rank, port, out_dir):
     """Sharded with peer writes, on gloo: each rank's stand-in for the other GPU's weights is a local buffer.
-    The step must write exactly the owned parts into it (one update call per flat buffer, or with
-    ``deferred`` one per bucket, in the order the next forward needs them, each followed by a one-element
-    all-reduce that the forward waits for) and gather nothing; the test then plays the peer's stores and
-    checks the weights against the whole state."""
+    The step must write exactly the owned parts into it (one update call per flat buffer) and gather
+    nothing; the test then plays the peer's stores and checks the weights against the whole state."""
     r = _replicas(rank, port)
     net, ref, wrapped, opt, ref_opt, names = r.net, r.ref, r.wrapped, r.opt, r.ref_opt, r.names
     lsadam = opt._optimizer
-    out = {"mismatch": [], "peer_parts": [], "norms": [], "stale_parts": [], "waits": [], "order": []}
+    out = {"mismatch": [], "peer_parts": [], "norms": [], "stale_parts": []}
     try:
         opt.request_sharding()
         for update in range(4):
@@ -217,39 +215,12 @@ def _peer_worker(rank, port, out_dir, deferred=False):
                 bufs = [buf for ws in lsadam.workspaces for buf in ws.buffers]
                 stand_in = {id(b): torch.zeros_like(b.param) for b in bufs}
                 lsadam.shard_(opt._reducer.buckets, rank, 2, lsadam._shard.group, peers=stand_in)
-                if deferred:  # the buckets in reverse layout order, as a forward that needs the last one first
-                    keys = [(id(b), s) for b in bufs for s, _, _, _ in lsadam._shard.parts[id(b)]]
-                    lsadam.defer_gathers({k: -k[1] for k in keys})
-                    calls = []
-                    import ls_fairseq.optim.adam as adam_module
-
-                    real_adam = adam_module.adam_
-
-                    def counting_adam(*args, ranges=None, **kw):
-                        if kw.get("param_lp_peer") is not None:  # the sharded optimizer's calls
-                            calls.append(list(ranges))
-                        return real_adam(*args, ranges=ranges, **kw)
-
-                    adam_module.adam_ = counting_adam
             for t in stand_in.values():
                 t.zero_()
             out["norms"].append((float(lsadam.grad_norm()), float(ref_opt._optimizer.grad_norm())))
             masters = [b.master.clone() for b in bufs]
-            if deferred:
-                calls.clear()
             opt.step()
             ref_opt.step()
-            if deferred:
-                # one update call per bucket, each for its owned part, in the order asked for; one
-                # collective in flight per bucket until the forward (here: the test) waits for it
-                want = [[(lo, hi)] for b in bufs for _, _, lo, hi in
-                        sorted(lsadam._shard.parts[id(b)], key=lambda part: -part[0])]
-                out["order"].append(calls == want)
-                out["waits"].append(sorted(lsadam._gathers) == sorted(keys))
-                lsadam.wait_gathers(keys[:1])
-                out["waits"].append(len(lsadam._gathers) == len(keys) - 1)
-                lsadam.wait_gathers()
-                out["waits"].append(not lsadam._gathers)
             for b, before in zip(bufs, masters):
                 owned = torch.zeros(b.numel, dtype=torch.bool)
                 for lo, hi in lsadam._shard.ranges[id(b)]:
@@ -270,17 +241,10 @@ def _peer_worker(rank, port, out_dir, deferred=False):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["step_waits", "forward_waits"])
-def test_peer_writes_store_exactly_the_owned_parts_on_two_ranks(tmp_path, deferred):
-    import functools
-
-    got = two_rank_results(functools.partial(_peer_worker, deferred=deferred), tmp_path)
+def test_peer_writes_store_exactly_the_owned_parts_on_two_ranks(tmp_path):
+    got = two_rank_results(_peer_worker, tmp_path)
     for out in got:
         assert out["mismatch"] == [], out["mismatch"]
-        if deferred:
-            assert out["order"] == [True] * 4 and out["waits"] == [True] * 12, (out["order"], out["waits"])
-        else:
-            assert out["order"] == [] and out["waits"] == []
         assert out["peer_parts"] and all(out["peer_parts"]), out["peer_parts"]
         assert out["stale_parts"] and all(out["stale_parts"])
         for norm, ref in out["norms"]:
@@ -320,7 +284,7 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
     assert "optimizer state sharded over 2 ranks" in log
     # peer writes need two CUDA devices: on gloo every rank falls back on the all-gathers together
     assert "sharded weights are all-gathered (no peer writes: the weights are not on one CUDA device)" in log
-    assert "the forward waits for the new weights layer by layer (all-gathers; 4 layers" in log
+    assert "the forward waits for the weights' all-gathers layer by layer (4 layers" in log
     for name in ("sharded", "p2p"):
         assert sorted(runs[name]) == sorted(runs["whole"]) == [3, 6]
         for u in (3, 6):

@@ -24,10 +24,9 @@ two GPUs the update kernel writes the new weights into both GPUs' copies instead
 symmetric memory (:mod:`ls_fairseq.optim.peer`; ``LS_FAIRSEQ_SHARD_P2P=0`` keeps the all-gathers).
 Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before
 saving, so they load on any number of GPUs. For models that allow it (``ls_gather_waits``, as
-ls_transformer), the all-gathers of the new weights, or with peer writes the update itself (on a
-side stream, one bucket at a time), overlap the next forward pass, which waits for each layer's
-weights (:mod:`ls_fairseq.optim.gather_waits`; ``LS_FAIRSEQ_GATHER_WAITS=0`` makes the step wait for
-all of them instead).
+ls_transformer), the all-gathers of the new weights overlap the next forward pass, which waits
+for them layer by layer (:mod:`ls_fairseq.optim.gather_waits`; ``LS_FAIRSEQ_GATHER_WAITS=0`` makes
+the step wait for all of them instead).
 """
 
 import ast
@@ -182,15 +181,15 @@ class LSFairseqAdam(FairseqOptimizer):
                                      "sharded weights are all-gathered")
             shard = not (only_p2p and peers is None)
         self._reducer = reducer = OverlappedReducer(
-            self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=bucket_bytes, shard=shard,
-            before_writes=self._optimizer.wait_step)
+            self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=bucket_bytes, shard=shard)
         if shard:
             # the gradients of this update were all-reduced whole: the step may already be sharded
             self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group, peers=peers)
             logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, %s)",
                         ddp.world_size, ddp.world_size,
                         "writing the new weights on both GPUs" if peers else "then an all-gather of the weights")
-            if getattr(ddp.module, "ls_gather_waits", False) and os.environ.get("LS_FAIRSEQ_GATHER_WAITS") != "0":
+            if peers is None and getattr(ddp.module, "ls_gather_waits", False) \
+                    and os.environ.get("LS_FAIRSEQ_GATHER_WAITS") != "0":
                 from ls_fairseq.optim.gather_waits import GatherWaits
 
                 self._gather_waits = GatherWaits(self._optimizer, ddp.module)

@@ -38,11 +38,6 @@ flight when :meth:`step` returns: whoever reads weights calls :meth:`wait_gather
 it is about to read (:class:`~ls_fairseq.optim.gather_waits.GatherWaits` does so from forward
 pre-hooks, layer by layer, so the gathers overlap the next forward), or for all of them.
 Every method of this class that reads or writes weights or state waits for all of them first.
-With peer writes the deferred step updates one bucket per launch, on a side stream, each launch
-followed by a one-element all-reduce that stands for that bucket's "gather" (it completes once
-both ranks have stored that bucket on both GPUs): the update itself then runs beside the next
-forward. Whatever writes the gradient buffers next calls :meth:`wait_step` first (the overlapped
-reduction does, when its round starts), so the side stream has read them by then.
 
 State dict. Standard layout: ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
 "param_groups": [...]}`` with one entry per parameter (tensors are views of the flat
@@ -51,7 +46,6 @@ parameters, so a checkpoint resumes exactly even when it holds only low-precisio
 """
 
 import logging
-from contextlib import nullcontext as _nullcontext
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -166,7 +160,6 @@ class LSAdam(torch.optim.Optimizer):
         """Average the gradients over data-parallel workers: ``all_reduce(tensor)`` (a sum over
         the workers, in place) once per flat gradient buffer, after dividing by ``world_size``
         (as fairseq's DDP wrappers do, which also keeps fp16 sums in range)."""
-        self.wait_step()  # a deferred step may still read the gradient buffers
         for ws in self._workspaces:
             ws.sync()
             for buf in ws.buffers:
@@ -211,10 +204,6 @@ class LSAdam(torch.optim.Optimizer):
                 lp = buf.param_lp
                 defer = self._shard.defer
                 peer = self._shard.peers.get(id(buf)) if self._shard.peers else None
-                if peer is not None and defer:
-                    self._peer_step_deferred(buf, lp, peer, kw)
-                    self._stale = True
-                    continue
                 if peer is not None:
                     # one launch for all owned parts; it writes them on the peer too, so nothing is gathered
                     adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=lp, param_lp_peer=peer,
@@ -236,63 +225,10 @@ class LSAdam(torch.optim.Optimizer):
                 w.wait()  # NCCL: the current stream waits; the host does not
             ws.mark_params_written()
         if self._shard is not None and self._shard.peers:
-            if self._shard.defer:
-                self._end_side_stream()
-            else:
-                # the peer's stores into our weights are done once its stream reaches this collective
-                dist.all_reduce(self._shard.flag, group=self._shard.group)
+            # the peer's stores into our weights are done once its stream reaches this collective
+            dist.all_reduce(self._shard.flag, group=self._shard.group)
         self._grad_factor = 1.0
         return loss
-
-    # ---------------------------------------- peer writes beside the next forward
-    def _side_stream(self, device):
-        """The stream the deferred peer-write step runs on (CUDA; None elsewhere: the current stream),
-        after it waited for everything queued so far on the current stream (the gradients, the norm
-        and the factor of this step)."""
-        if device.type != "cuda":
-            return None
-        side = self.__dict__.get("_side")
-        if side is None or side.device != device:
-            side = self._side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        self._side_open = side
-        return side
-
-    def _peer_step_deferred(self, buf, lp, peer, kw):
-        """Peer writes with deferred waits: one update launch per bucket, in the order the next forward
-        needs them, each followed by a one-element all-reduce that completes once both ranks have
-        written that bucket on both GPUs. The launches run on a side stream (CUDA), so the next forward
-        starts at once and waits, layer by layer, only for the buckets it is about to read
-        (:meth:`wait_gathers`, called by :class:`~ls_fairseq.optim.gather_waits.GatherWaits`)."""
-        shard = self._shard
-        parts = shard.parts[id(buf)]
-        flags = shard.bucket_flags(id(buf), len(parts))  # (allocated before the side stream waits)
-        side = self._side_stream(buf.master.device)
-        factor = kw.get("grad_scale_tensor")
-        if side is not None and factor is not None:
-            factor.record_stream(side)  # freed by its owner before the side stream has read it
-        with torch.cuda.stream(side) if side is not None else _nullcontext():
-            for k, (start, _end, lo, hi) in enumerate(parts):
-                adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=lp, param_lp_peer=peer,
-                      ranges=[(lo, hi)], **kw)
-                # issued from the side stream: the collective starts after this bucket's update
-                self._gathers[(id(buf), start)] = dist.all_reduce(flags[k:k + 1], group=shard.group, async_op=True)
-
-    def _end_side_stream(self):
-        side = self.__dict__.get("_side_open")
-        self._side_open = None
-        if side is not None:
-            self._side_done = (side.record_event(), side.device)
-
-    def wait_step(self) -> None:
-        """Make the current stream wait until the deferred peer-write step has finished reading the
-        gradients and writing the state (a no-op when none is in flight). Needed before anything writes
-        the gradient buffers or reads the master weights and moments."""
-        done = self.__dict__.get("_side_done")
-        if done is not None:
-            self._side_done = None
-            event, device = done
-            torch.cuda.current_stream(device).wait_event(event)
 
     def _step_factor(self, scale):
         """(host float, device tensor or None) whose product multiplies the gradients in the step.
@@ -389,10 +325,7 @@ class LSAdam(torch.optim.Optimizer):
         self._shard.defer = True
 
     def wait_gathers(self, keys=None) -> None:
-        """Make the current stream wait for the deferred all-gathers of ``keys`` (all when None; then
-        also for the whole deferred peer-write step, :meth:`wait_step`)."""
-        if keys is None:
-            self.wait_step()
+        """Make the current stream wait for the deferred all-gathers of ``keys`` (all when None)."""
         pending = self._gathers
         if not pending:
             return
@@ -516,7 +449,7 @@ class LSAdam(torch.optim.Optimizer):
 class _Shard:
     """Where this rank's parts lie: ``parts[id(buffer)]`` = [(start, end, lo, hi)] per bucket."""
 
-    __slots__ = ("rank", "world_size", "group", "parts", "ranges", "defer", "peers", "flag", "flags")
+    __slots__ = ("rank", "world_size", "group", "parts", "ranges", "defer", "peers", "flag")
 
     def __init__(self, rank, world_size, group, parts, peers=None):
         self.rank, self.world_size, self.group, self.parts = rank, world_size, group, parts
@@ -525,12 +458,5 @@ class _Shard:
         self.defer = False  # leave the step's all-gathers in flight (defer_gathers)
         self.peers = peers  # id(buffer) -> the peer's weights (the step writes them; no all-gathers)
         self.flag = None
-        self.flags = {}  # id(buffer) -> one zero per bucket (the deferred peer-write step's all-reduces)
         if peers:
             self.flag = torch.zeros(1, dtype=torch.int32, device=next(iter(peers.values())).device)
-
-    def bucket_flags(self, key, n):
-        flags = self.flags.get(key)
-        if flags is None or flags.numel() != n:
-            flags = self.flags[key] = torch.zeros(n, dtype=torch.int32, device=self.flag.device)
-        return flags

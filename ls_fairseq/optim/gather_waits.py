@@ -2,10 +2,7 @@
 
 With its state sharded (:meth:`~ls_fairseq.optim.adam.LSAdam.shard_`), ls_adam updates its part
 of every bucket and all-gathers the new weights. Waiting for all of them at the end of the step
-leaves the GPU with nothing to compute while the last gathers cross the link. With peer writes
-(two GPUs) there is no all-gather, but the update itself and the cross-GPU ordering of its stores
-are what the forward would wait for: the step then runs the update on a side stream, bucket by
-bucket, each bucket's "gather" being a one-element all-reduce issued after its update.
+leaves the GPU with nothing to compute while the last gathers cross the link.
 :class:`GatherWaits` lets the next forward start right away instead:
 
 * Groups. Every element of the model's outermost ``nn.ModuleList`` s (the encoder and decoder
@@ -85,8 +82,8 @@ class GatherWaits:
         for (layer, _), layer_keys in zip(groups, keys[1:]):
             if layer_keys:
                 self._handles.append(layer.register_forward_pre_hook(self._waiter(layer_keys)))
-        logger.info("ls_adam: the forward waits for the new weights layer by layer (%s; %d layers, %d buckets)",
-                    "peer writes" if optimizer._shard.peers else "all-gathers", len(groups), len(need))
+        logger.info("ls_adam: the forward waits for the weights' all-gathers layer by layer (%d layers, %d buckets)",
+                    len(groups), len(need))
 
     def _waiter(self, keys):
         opt = self.optimizer

@@ -155,7 +155,7 @@ class OverlappedReducer:
     """
 
     def __init__(self, workspaces: Sequence[FlatWorkspace], world_size: int, process_group, arm,
-                 bucket_bytes: int = DEFAULT_BUCKET_MB << 20, shard: bool = False, before_writes=None):
+                 bucket_bytes: int = DEFAULT_BUCKET_MB << 20, shard: bool = False):
         if world_size < 2:
             raise ValueError("overlapped all-reduce: needs a world size of at least 2")
         self.workspaces = list(workspaces)
@@ -163,7 +163,6 @@ class OverlappedReducer:
         self.world_size = world_size
         self.process_group = process_group
         self.arm = arm
-        self.before_writes = before_writes  # called once per round, before the first write to a gradient buffer
         self.bucket_bytes = bucket_bytes
         self.buckets = bucket_order(self.workspaces, bucket_bytes)
         self.rank = None
@@ -223,8 +222,6 @@ class OverlappedReducer:
         r = self._round
         if r is None:
             r = self._round = _Round(len(self._slots), list(self._sizes))
-            if self.before_writes is not None:
-                self.before_writes()
         elif r.ended or r.done[slot] or self.arm.accumulate_grads:
             raise RuntimeError(
                 "ls_adam overlapped all-reduce: a parameter's gradient was written again after it had been "

@@ -57,12 +57,11 @@ def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_p
 
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("peer", ["peer_writes", "peer_writes_step_waits", "all_gathers", "default"])
+@pytest.mark.parametrize("peer", ["peer_writes", "all_gathers", "default"])
 def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, precision, peer):  # noqa: F811
     """NCCL's in-place reduce-scatter, then the new weights reach the other GPU either through the
     update kernel's own stores into it (symmetric memory, the default on two GPUs) or through
-    all-gathers (``LS_FAIRSEQ_SHARD_P2P=0``); the next forward waits for them layer by layer, or
-    (``LS_FAIRSEQ_GATHER_WAITS=0``, peer writes) the step waits for all of them: the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or the
+    all-gathers (``LS_FAIRSEQ_SHARD_P2P=0``): the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or the
     default ``=p2p``, which on two GPUs of one host shards with peer writes) takes the updates of the
     run with the whole optimizer state on every rank (``=0``) bit for bit (no clipping: the
     norm, summed in another order, only decides overflows), and its checkpoint holds the same whole
@@ -73,8 +72,6 @@ def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, pre
     sharded_env = {"LS_FAIRSEQ_SHARD_ADAM": "1", "LS_FAIRSEQ_SHARD_P2P": "0" if peer == "all_gathers" else "1"}
     if peer == "default":
         sharded_env = {}
-    if peer == "peer_writes_step_waits":
-        sharded_env["LS_FAIRSEQ_GATHER_WAITS"] = "0"
     runs = {}
     for name, env in (("sharded", sharded_env), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})):
         (tmp_path / name).mkdir()
@@ -82,12 +79,10 @@ def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, pre
                                               backend="nccl")
     log = (tmp_path / "sharded" / "rank0.log").read_text()
     assert "optimizer state sharded over 2 ranks" in log
-    if peer == "peer_writes_step_waits":
-        assert "writing the new weights on both GPUs" in log and "layer by layer" not in log
-    elif peer != "all_gathers":
-        assert "writing the new weights on both GPUs" in log and "layer by layer (peer writes;" in log
+    if peer != "all_gathers":
+        assert "writing the new weights on both GPUs" in log and "all-gathers layer by layer" not in log
     else:
-        assert "then an all-gather of the weights" in log and "layer by layer (all-gathers;" in log
+        assert "then an all-gather of the weights" in log and "all-gathers layer by layer" in log
     assert "optimizer state sharded" not in (tmp_path / "whole" / "rank0.log").read_text()
     a, b = runs["sharded"], runs["whole"]
     assert sorted(a) == sorted(b) and len(a) >= 8
