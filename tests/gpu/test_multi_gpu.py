@@ -109,3 +109,55 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, 
         counted = json.loads((tmp_path / f"reads{r}.json").read_text())
         assert counted["steps"] >= 10, (r, counted)
         assert counted["reads"] == {}, (r, counted)
+
+
+def _avg_worker(rank, port, out_dir):
+    """On two NCCL ranks: NCCL's AVG against a division by 2 followed by a sum, for the in-place
+    all-reduce and the in-place reduce-scatter of the overlapped reduction, over fp16, bf16 and fp32
+    values of every magnitude (subnormals and values near the top of the range included)."""
+    import torch.distributed as dist
+
+    from tests._models import save_rank_result
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out = {}
+    try:
+        g = torch.Generator().manual_seed(1234 + rank)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            info = torch.finfo(dtype)
+            n = 1 << 20
+            mag = torch.exp(torch.empty(n).uniform_(-1.0, 1.0, generator=g) * 0.98
+                            * torch.log(torch.tensor(float(info.max))))
+            sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+            x = (mag * sign).to(dtype)
+            x[:64] = torch.tensor([float(info.smallest_normal) * k / 64 for k in range(64)]).to(dtype)  # subnormals
+            x = x.cuda()
+            ref = x.clone()
+            ref.div_(2)
+            dist.all_reduce(ref)
+            got = x.clone()
+            dist.all_reduce(got, op=dist.ReduceOp.AVG)
+            out[f"all_reduce {dtype}"] = torch.equal(got, ref)
+            half = n // 2
+            ref = x.clone()
+            ref.div_(2)
+            dist.reduce_scatter_tensor(ref[rank * half:(rank + 1) * half], ref)
+            got = x.clone()
+            dist.reduce_scatter_tensor(got[rank * half:(rank + 1) * half], got, op=dist.ReduceOp.AVG)
+            out[f"reduce_scatter {dtype}"] = torch.equal(got[rank * half:(rank + 1) * half],
+                                                        ref[rank * half:(rank + 1) * half])
+        save_rank_result(out_dir, rank, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_average_equals_division_then_sum(tmp_path):
+    """The overlapped reduction leaves the division by the world size to NCCL's AVG on two GPUs
+    (``ls_fairseq.optim.overlap.collective_averages``), which is right only if the results are the
+    division-then-sum's bit for bit."""
+    _need_two_gpus()
+    from tests._models import two_rank_results
+
+    for out in two_rank_results(_avg_worker, tmp_path):
+        assert out and all(out.values()), out
