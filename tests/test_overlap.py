@@ -226,27 +226,3 @@ def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path):
         assert out["after_error_equal"]
     for a, b in zip(got[0]["params"], got[1]["params"]):
         assert torch.equal(a, b)  # the replicas stay identical
-
-
-def test_collectives_average_only_on_nccl_with_a_power_of_two_world(monkeypatch):
-    """The division kernel per bucket is left to NCCL's AVG only where that is bit for bit the
-    division: NCCL (gloo has no AVG) and a world size that is a power of two."""
-    import torch.distributed as dist
-
-    from ls_fairseq.optim.overlap import collective_averages
-
-    backend = {"g": "nccl"}
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["g"])
-    monkeypatch.delenv("LS_FAIRSEQ_REDUCE_AVG", raising=False)
-    assert [collective_averages(None, w) for w in (1, 2, 3, 4, 6, 8)] == [False, True, False, True, False, True]
-    monkeypatch.setenv("LS_FAIRSEQ_REDUCE_AVG", "0")
-    assert not collective_averages(None, 2)
-    monkeypatch.delenv("LS_FAIRSEQ_REDUCE_AVG")
-    backend["g"] = "gloo"
-    assert not collective_averages(None, 2)
-
-    def refuse(group=None):
-        raise ValueError("not a process group")
-
-    monkeypatch.setattr(dist, "get_backend", refuse)
-    assert not collective_averages(("xla", [0, 1]), 2)

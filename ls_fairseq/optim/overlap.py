@@ -16,9 +16,7 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
   fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
   hands the bucket to an asynchronous ``all_reduce(SUM)``: a few kernels per bucket, not one
-  per parameter. On NCCL with a power-of-two world size the collective averages by itself
-  (``ReduceOp.AVG``, bit for bit the same, :func:`collective_averages`) and the division kernel
-  is left out. Buckets are launched strictly in the global order, so every rank issues
+  per parameter. Buckets are launched strictly in the global order, so every rank issues
   the same collectives in the same sequence whatever order its hooks fire in.
 * End of the backward. The first hook of a round queues a callback that runs when the
   backward pass finishes, before ``backward()`` returns (a reentrant backward nested in it, as
@@ -52,7 +50,6 @@ backward, used both inside and outside a reentrant activation checkpoint).
 """
 
 import logging
-import os
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -128,23 +125,6 @@ def shardable(buckets: Sequence[Bucket], world_size: int) -> bool:
     return world_size >= 2 and all((bk.end - bk.start) % (world_size * SHARD_ALIGN_ELEMENTS) == 0 for bk in buckets)
 
 
-def collective_averages(process_group, world_size: int) -> bool:
-    """Whether the bucket collectives average themselves (``ReduceOp.AVG``) instead of a division
-    kernel per bucket before a sum: on NCCL, for a world size that is a power of two, unless
-    ``LS_FAIRSEQ_REDUCE_AVG=0``. NCCL averages by multiplying every rank's input by 1 / world size
-    before summing; for a power of two that product is exactly the division (both round the same
-    real number once), so the result is bit for bit the division-then-sum. Other world sizes and
-    other backends (gloo has no AVG) divide first, as fairseq's DDP does."""
-    if os.environ.get("LS_FAIRSEQ_REDUCE_AVG") == "0" or world_size < 2 or world_size & (world_size - 1):
-        return False
-    if not hasattr(dist.ReduceOp, "AVG"):
-        return False
-    try:
-        return dist.get_backend(process_group) == "nccl"
-    except Exception:  # noqa: BLE001 - not a torch.distributed group (e.g. XLA's tuple): divide
-        return False
-
-
 class _Round:
     """The state of one armed backward pass, from its first hook to :meth:`OverlappedReducer.finish`."""
 
@@ -192,8 +172,6 @@ class OverlappedReducer:
                                  "aligned parts (see shardable())")
             self.rank = dist.get_rank(process_group)
         self._own = [bk.buffer.grad[slice(*bk.own(self.rank, world_size))] for bk in self.buckets] if shard else None
-        self.average_in_collective = collective_averages(process_group, world_size)
-        self._op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
         # one slot per (buffer, parameter), numbered bucket by bucket
         self._slots: List[Tuple[FlatBuffer, int, int]] = []  # slot -> (buffer, index, bucket)
         self._sizes = []
@@ -274,19 +252,18 @@ class OverlappedReducer:
         in one kernel, and make every ``p.grad`` its view (the tensors autograd produced are freed)."""
         bk = self.buckets[n]
         bk.buffer.adopt_grads(bk.members)
-        if not self.average_in_collective:
-            bk.flat.div_(self.world_size)
+        bk.flat.div_(self.world_size)
 
     def _launch_ready(self, r: _Round) -> int:
         launched = 0
         buckets, pending = self.buckets, r.pending
-        own, group, op = self._own, self.process_group, self._op
+        own, group = self._own, self.process_group
         while r.next < len(buckets) and pending[r.next] == 0:
             flat = buckets[r.next].flat
             if own is None:
-                r.works.append(dist.all_reduce(flat, op=op, group=group, async_op=True))
+                r.works.append(dist.all_reduce(flat, group=group, async_op=True))
             else:  # in place: the output is this rank's part of the input
-                r.works.append(dist.reduce_scatter_tensor(own[r.next], flat, op=op, group=group, async_op=True))
+                r.works.append(dist.reduce_scatter_tensor(own[r.next], flat, group=group, async_op=True))
             r.next += 1
             launched += 1
         return launched
@@ -345,5 +322,5 @@ class OverlappedReducer:
         return True
 
 
-__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "SHARD_ALIGN_ELEMENTS", "bucket_order",
-           "collective_averages", "plan_buckets", "shardable"]
+__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "SHARD_ALIGN_ELEMENTS", "bucket_order", "plan_buckets",
+           "shardable"]
