@@ -10,6 +10,8 @@
 #   PROBE=1:  first, benchmarks/host_probe.py on GPU 0 (t2t, 8192 tokens, 12 batches): host and GPU ms of the
 #             forward, backward and optimizer step, into machine.txt. Where the host ms of a step come close
 #             to its GPU ms, the 2-GPU runs (one micro-batch per update) are host-bound on this machine.
+#   LS_FAIRSEQ_STEP_TIMING=1 (exported): every run logs its GPU time per update, per micro-batch, after the
+#             last backward and between updates (medians, each rank); the lines are collected at the end.
 #   PACK_TO:  a folder that receives logs.tgz (every log) and pairs.txt: a device call that may bring back
 #             only a few files sets OUT to a scratch folder and PACK_TO to its own output folder, in this
 #             order: PACK_TO=$OUT OUT=/tmp/rounds bash benchmarks/gpu_scaling_rounds.sh
@@ -43,6 +45,10 @@ ratios() {
 for name in "${names[@]}"; do ratios "${name} vs 1 GPU --update-freq 2" "r@a_1gpu_uf2" "r@b_${name}"; done
 for name in "${names[@]:1}"; do ratios "${name} vs ${names[0]}" "r@b_${names[0]}" "r@b_${name}"; done
 intervals "$OUT"/r*.log | tee -a "$OUT/pairs.txt"
+# with LS_FAIRSEQ_STEP_TIMING=1 exported: every rank's timing line (GPU ms, medians), named by its run
+for f in "$OUT"/r*.log; do
+  grep -h "step timing" "$f" | sed -e "s|^.*\(rank [0-9]* step timing\)|$(basename "$f" .log) \1|"
+done | tee -a "$OUT/pairs.txt"
 if [[ -n "${PACK_TO:-}" ]]; then
   mkdir -p "$PACK_TO" && tar czf "$PACK_TO/logs.tgz" -C "$OUT" . && cp "$OUT/pairs.txt" "$PACK_TO/"
 fi
