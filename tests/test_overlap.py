@@ -226,3 +226,33 @@ def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path):
         assert out["after_error_equal"]
     for a, b in zip(got[0]["params"], got[1]["params"]):
         assert torch.equal(a, b)  # the replicas stay identical
+
+
+def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive():
+    """The post-accumulate-grad hooks live in autograd's C++ state, out of the garbage collector's
+    sight. Had they held the reducer strongly, the reducer, its DDP wrapper (``arm``) and the
+    wrapper's process group would stay alive as long as the parameters, and a gloo group would
+    then be torn down at interpreter shutdown, where a rank could abort. Dropping the reducer
+    frees it and its wrapper at once; the hooks left on the parameters then do nothing."""
+    import gc
+    import weakref
+
+    from ls_fairseq.optim.overlap import OverlappedReducer
+
+    class Wrapper:  # stands in for fairseq's legacy DDP wrapper (it holds the process group)
+        accumulate_grads = False
+
+    net = torch.nn.Linear(4, 3)
+    ws = FlatWorkspace(list(net.parameters()))
+    wrapper = Wrapper()
+    reducer = OverlappedReducer([ws], 2, None, arm=wrapper)
+    assert reducer._handles  # one hook per trainable parameter
+    gone, wrapper_gone = weakref.ref(reducer), weakref.ref(wrapper)
+    gc.disable()  # freed by reference counting alone, not by a later collection
+    try:
+        del reducer, wrapper
+        assert gone() is None and wrapper_gone() is None
+    finally:
+        gc.enable()
+    net(torch.ones(2, 4)).sum().backward()  # the orphaned hooks are no-ops
+    assert torch.equal(net.bias.grad, torch.full((3,), 2.0))

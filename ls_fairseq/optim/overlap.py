@@ -50,6 +50,7 @@ backward, used both inside and outside a reentrant activation checkpoint).
 """
 
 import logging
+import weakref
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -209,12 +210,18 @@ class OverlappedReducer:
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, slot: int):
-        arm = self.arm
+        # The hook lives on the parameter, in autograd's C++ state, where Python's garbage collector
+        # cannot see it: a strong reference to the reducer (and through it to the DDP wrapper, its
+        # module and its process group) would make a cycle that is freed only at interpreter shutdown,
+        # after torch.distributed was torn down. A weak one breaks it; without a reducer the hook does
+        # nothing and the gradient accumulates as usual.
+        me = weakref.ref(self)
 
         def hook(p):
-            if self._round is None and arm.accumulate_grads:
+            reducer = me()
+            if reducer is None or (reducer._round is None and reducer.arm.accumulate_grads):
                 return  # not armed: the gradient accumulates locally, as without the reducer
-            self._ready(slot, p)
+            reducer._ready(slot, p)
 
         return hook
 
