@@ -208,7 +208,14 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("fold", ["copy_then_divide", "fused"])
+def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, fold):
+    """``fused`` (``LS_FAIRSEQ_FUSED_FOLD=1``): each complete bucket is copied and divided in one call of
+    ops.copy_div_ (its reference on the CPU) instead of a copy and a division of the whole range."""
+    if fold == "fused":
+        monkeypatch.setenv("LS_FAIRSEQ_FUSED_FOLD", "1")
+    else:
+        monkeypatch.delenv("LS_FAIRSEQ_FUSED_FOLD", raising=False)
     got = two_rank_results(_worker, tmp_path)
     for rank in (0, 1):
         out = got[rank]

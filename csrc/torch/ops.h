@@ -46,4 +46,8 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
 // ranges: flattened [lo, hi) pairs (ascending, disjoint) that the step / the norm covers; empty: everything.
 Tensor grad_norm(const Tensor& grad, const std::vector<int64_t>& ranges);
 
+// dst[i] = src[i] / divisor for every pair (one dtype, one device; src[i] may be dst[i]): a copy followed
+// by PyTorch's in-place division by a host number, in one pass.
+void copy_div(const std::vector<Tensor>& dst, const std::vector<Tensor>& src, double divisor);
+
 }  // namespace ls_torch

@@ -16,7 +16,8 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
   fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
   hands the bucket to an asynchronous ``all_reduce(SUM)``: a few kernels per bucket, not one
-  per parameter. Buckets are launched strictly in the global order, so every rank issues
+  per parameter. ``LS_FAIRSEQ_FUSED_FOLD=1`` does the copy and the division in one pass
+  (:func:`ls_fairseq.ops.copy_div_`, the same values). Buckets are launched strictly in the global order, so every rank issues
   the same collectives in the same sequence whatever order its hooks fire in.
 * End of the backward. The first hook of a round queues a callback that runs when the
   backward pass finishes, before ``backward()`` returns (a reentrant backward nested in it, as
@@ -50,6 +51,7 @@ backward, used both inside and outside a reentrant activation checkpoint).
 """
 
 import logging
+import os
 import weakref
 from typing import Dict, List, Sequence, Tuple
 
@@ -182,6 +184,8 @@ class OverlappedReducer:
             self._sizes.append(len(bk.members))
         self._round = None
         self._told_missed = False
+        # LS_FAIRSEQ_FUSED_FOLD=1: copy and divide each complete bucket in one pass (ops.copy_div_)
+        self.fused_fold = os.environ.get("LS_FAIRSEQ_FUSED_FOLD") == "1"
         self._handles = []
         for s, (buf, i, n) in enumerate(self._slots):
             p = buf.params[i]
@@ -258,6 +262,9 @@ class OverlappedReducer:
         buffer (one multi-tensor copy; zero without a gradient), divide the range by the world size
         in one kernel, and make every ``p.grad`` its view (the tensors autograd produced are freed)."""
         bk = self.buckets[n]
+        if self.fused_fold:  # the same values; gaps between parameters are not written (they hold zeros)
+            bk.buffer.adopt_grads(bk.members, divide_by=self.world_size)
+            return
         bk.buffer.adopt_grads(bk.members)
         bk.flat.div_(self.world_size)
 

@@ -158,14 +158,27 @@ class FlatBuffer:
         return repaired
 
     @torch.no_grad()
-    def adopt_grads(self, indices) -> None:
+    def adopt_grads(self, indices, divide_by=None) -> None:
         """Make ``p.grad`` of every parameter in ``indices`` its view of the flat buffer: a gradient
         tensor that is not the view is copied in (one multi-tensor copy for all), a missing one
-        zeroes its slice."""
+        zeroes its slice. With ``divide_by`` every adopted gradient is also divided by it, in the same
+        pass (:func:`ls_fairseq.ops.copy_div_`; a gradient that already is the view is divided in
+        place); zeroed slices stay zero."""
         pending = ([], [], [])
         for i in indices:
-            self._adopt_grad(i, pending)
-        self._write(pending)
+            if not self._adopt_grad(i, pending) and divide_by is not None:
+                view = self.grad_view(i)
+                pending[0].append(view)
+                pending[1].append(view)
+        if divide_by is None:
+            self._write(pending)
+            return
+        from ls_fairseq.ops.copy_div import copy_div_
+
+        copy_dst, copy_src, zero_dst = pending
+        copy_div_(copy_dst, copy_src, divide_by)
+        if zero_dst:
+            torch._foreach_zero_(zero_dst)
 
     def _adopt_grad(self, i: int, pending) -> bool:
         """Attach parameter i's gradient view unless ``p.grad`` already is it; with ``pending``

@@ -109,3 +109,25 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, 
         counted = json.loads((tmp_path / f"reads{r}.json").read_text())
         assert counted["steps"] >= 10, (r, counted)
         assert counted["reads"] == {}, (r, counted)
+
+
+@pytest.mark.parametrize("shard", ["default", "whole"])
+def test_fused_fold_takes_the_same_updates_on_two_gpus(data_bin, tmp_path, shard):  # noqa: F811
+    """``LS_FAIRSEQ_FUSED_FOLD=1`` copies and divides each complete gradient bucket in one kernel
+    (ops.copy_div_) instead of a copy and a division: the same updates bit for bit, and the same
+    checkpoint, sharded (the default on two GPUs) and with the whole state."""
+    _need_two_gpus()
+    flags = [*GPU_FLAGS, "--fp16", "--dropout", "0", "--max-update", "10", "--log-interval", "1",
+             "--grouped-shuffling", "--disable-validation"]
+    base = {} if shard == "default" else {"LS_FAIRSEQ_SHARD_ADAM": "0"}
+    runs = {}
+    for name, env in (("fused", {**base, "LS_FAIRSEQ_FUSED_FOLD": "1"}), ("plain", base)):
+        (tmp_path / name).mkdir()
+        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
+                                              backend="nccl")
+    a, b = runs["fused"], runs["plain"]
+    assert sorted(a) == sorted(b) and len(a) >= 8
+    for u in a:
+        for k in ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"):
+            assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
+    assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("fused", "plain")))
