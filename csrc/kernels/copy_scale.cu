@@ -5,7 +5,8 @@
 // gradients into the flat buffer and averages them in one pass instead of two.
 //
 // One launch covers up to kCopyScaleTensors pairs and kCopyScaleBlocks chunks of kCopyScaleChunk
-// elements; the host splits longer lists into several launches. Each block owns one chunk of one
+// elements (small chunks, so that a 25 MB bucket keeps every SM busy); the host splits longer lists
+// into several launches. Each block owns one chunk of one
 // pair: 8-element vectors where both pointers and the chunk start allow it, single elements for the
 // rest.
 #include "kernels/common.cuh"
@@ -24,7 +25,22 @@ __global__ void copy_scale_kernel(CopyScaleLaunch args, float scale) {
   const bool vec = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0);
   if (vec) {  // chunk starts are multiples of 8 elements, so every 8-element group is 16-byte aligned
     const int64_t groups = (end - start) / 8;
-    for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+    const int64_t step = blockDim.x;
+    int64_t g = threadIdx.x;
+    // four groups per thread in flight: all loads first, then the stores (each thread reads and
+    // writes only its own groups, so a source that is its destination is safe)
+    for (; g + 3 * step < groups; g += 4 * step) {
+      float v[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) load8(src + start + (g + u * step) * 8, v[u]);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[u][k] *= scale;
+        store8(dst + start + (g + u * step) * 8, v[u]);
+      }
+    }
+    for (; g < groups; g += step) {
       float v[8];
       load8(src + start + g * 8, v);
 #pragma unroll

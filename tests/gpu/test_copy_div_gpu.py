@@ -10,9 +10,10 @@ from ls_fairseq.ops.copy_div import copy_div_reference_
 
 pytestmark = pytest.mark.gpu
 
-# sizes that cover empty pairs, tails shorter than a vector, a chunk boundary (65536) and one pair of
-# more chunks than a launch holds (288 x 65536), so the list is split over several launches
-SIZES = [0, 1, 7, 8, 9, 1000, 65535, 65536, 65537, 300_001] * 5 + [288 * 65536 + 13]
+# sizes that cover empty pairs, tails shorter than a vector, a chunk boundary (16384 elements), more
+# pairs than a launch holds (32) and one pair of more chunks than a launch holds (640), so the list
+# is split over several launches, once in the middle of a pair
+SIZES = [0, 1, 7, 8, 9, 1000, 16383, 16384, 16385, 300_001] * 5 + [640 * 16384 + 13]
 
 
 def _pairs(dtype, offset, seed):
