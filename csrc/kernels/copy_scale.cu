@@ -6,9 +6,8 @@
 //
 // One launch covers up to kCopyScaleTensors pairs and kCopyScaleBlocks chunks of kCopyScaleChunk
 // elements (small chunks, so that a 25 MB bucket keeps every SM busy); the host splits longer lists
-// into several launches. Each block owns one chunk of one
-// pair: 8-element vectors where both pointers and the chunk start allow it, single elements for the
-// rest.
+// into several launches. Each block owns one chunk of one pair: 8-element vectors where both
+// pointers and the chunk start allow it, single elements for the rest.
 #include "kernels/common.cuh"
 
 namespace ls {

@@ -177,8 +177,7 @@ class FlatBuffer:
 
         copy_dst, copy_src, zero_dst = pending
         copy_div_(copy_dst, copy_src, divide_by)
-        if zero_dst:
-            torch._foreach_zero_(zero_dst)
+        self._write(([], [], zero_dst))
 
     def _adopt_grad(self, i: int, pending) -> bool:
         """Attach parameter i's gradient view unless ``p.grad`` already is it; with ``pending``
