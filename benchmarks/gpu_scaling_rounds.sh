@@ -7,8 +7,6 @@
 #   VARIANTS: space-separated NAME=ENV, ENV a comma-separated list of assignments for the 2-GPU run or "-",
 #             e.g. VARIANTS="whole=LS_FAIRSEQ_SHARD_ADAM=0 sharded=LS_FAIRSEQ_SHARD_ADAM=1".
 #             Default: one variant "2gpu" with TWO_ENV (e.g. TWO_ENV=LS_FAIRSEQ_SHARD_ADAM=1).
-#   ONE_ENV:  comma-separated assignments for the 1-GPU runs, e.g. ONE_ENV=LS_FAIRSEQ_GROUPING=cost (give the
-#             2-GPU variants the same, so that both sides train on the same groups of batches).
 #   PROBE=1:  first, benchmarks/host_probe.py on GPU 0 (t2t, 8192 tokens, 12 batches): host and GPU ms of the
 #             forward, backward and optimizer step, into machine.txt. Where the host ms of a step come close
 #             to its GPU ms, the 2-GPU runs (one micro-batch per update) are host-bound on this machine.
@@ -28,8 +26,7 @@ if [[ "${PROBE:-0}" == 1 ]]; then
     | grep -E "^(STEP|PHASE)" | tee -a "$OUT/machine.txt"
 fi
 for k in $(seq 1 "${ROUNDS:-3}"); do
-  one=${ONE_ENV:-}
-  run "r${k}a_1gpu_uf2" env ${one//,/ } CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
+  run "r${k}a_1gpu_uf2" env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
   for v in "${variants[@]}"; do
     name=${v%%=*} assignments=${v#*=}
     [[ "$assignments" == "-" ]] && assignments=""

@@ -7,7 +7,6 @@ exactly like one process with --update-freq 2 --grouped-shuffling."""
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,6 @@ from test_end_to_end import TRAIN_FLAGS, _params, data_bin, inner_by_update, tra
 
 from ls_fairseq.fairseq_ext.batching import (
     GroupedShuffleEpochBatchIterator,
-    batch_costs,
     group_batches_by_update,
     grouped_order,
 )
@@ -167,103 +165,6 @@ def test_other_iterators_are_left_alone(caplog):
     assert "left to fairseq" in caplog.text
     with pytest.raises(ValueError, match="update-freq"):
         group_batches_by_update(_iterator(4, 1, 0, [1], grouped=False), [0])
-
-
-class _Pairs(_Items):
-    """Items with source and target lengths, like fairseq's LanguagePairDataset."""
-
-    def __init__(self, src, tgt):
-        super().__init__(len(src))
-        self.src_sizes, self.tgt_sizes = np.asarray(src), np.asarray(tgt)
-
-
-def _length_sorted_batches(num_batches, seed=0):
-    """Batches as fairseq builds them at one --max-tokens: sorted by target length, about 4096
-    padded tokens each, sources of unrelated length. Returns (dataset, batches)."""
-    rng = np.random.RandomState(seed)
-    src, tgt, batches = [], [], []
-    for k in range(num_batches):
-        t = 8 + k  # neighbours in target length
-        n = 4096 // t
-        batches.append(list(range(len(src), len(src) + n)))
-        tgt += [t] * n
-        longest = rng.randint(t // 2, 2 * t)  # the batch's longest source
-        src += [longest] + list(rng.randint(1, longest + 1, size=n - 1))
-    return _Pairs(src, tgt), batches
-
-
-def _sized_iterator(dataset, batches, num_shards, shard_id, update_freq):
-    from fairseq.data.iterators import EpochBatchIterator
-
-    itr = EpochBatchIterator(dataset, collate_fn=lambda xs: xs, batch_sampler=batches, seed=5,
-                             num_shards=num_shards, shard_id=shard_id)
-    return group_batches_by_update(itr, [update_freq])
-
-
-def test_batch_costs_pad_every_sentence_to_the_longest():
-    ds = _Pairs(src=[3, 5, 2, 4], tgt=[6, 1, 2, 2])
-    costs = batch_costs(ds, [[0, 1], [], [2, 3]])
-    # n * (S + 1.4 T) + n * (S^2 + T^2 + S T) / 7000
-    assert costs[0] == pytest.approx(2 * (5 + 1.4 * 6) + 2 * (25 + 36 + 30) / 7000)
-    assert costs[1] == 0
-    assert costs[2] == pytest.approx(2 * (4 + 1.4 * 2) + 2 * (16 + 4 + 8) / 7000)
-    one_d = _Items(3)
-    one_d.sizes = np.array([4, 9, 1])
-    assert batch_costs(one_d, [[0, 2], [1]]).tolist() == pytest.approx([2 * 4 + 2 * 16 / 7000, 9 + 81 / 7000])
-    assert batch_costs(_Items(3), [[0], [1, 2]]) is None  # no sizes
-    assert batch_costs(one_d, [[0, 7]]) is None  # indices outside the dataset
-
-
-def _pair_spread(dataset, batches, ranks):
-    """Mean over updates of (costliest batch - mean) / mean, and every batch seen once."""
-    costs = batch_costs(dataset, batches)
-    per_rank = [list(_sized_iterator(dataset, batches, ranks, r, 1).next_epoch_itr()) for r in range(ranks)]
-    ids = {tuple(b): i for i, b in enumerate(batches)}
-    seen, spreads = [], []
-    for step in zip(*per_rank):
-        c = [costs[ids[tuple(x)]] for x in step if x]
-        seen += [ids[tuple(x)] for x in step if x]
-        if len(c) == ranks:
-            spreads.append(max(c) / np.mean(c) - 1)
-    assert sorted(seen) == list(range(len(batches)))
-    return float(np.mean(spreads))
-
-
-def test_cost_grouping_gives_the_ranks_of_an_update_batches_of_equal_cost(monkeypatch):
-    dataset, batches = _length_sorted_batches(60)
-    length = _pair_spread(dataset, batches, 2)
-    monkeypatch.setenv("LS_FAIRSEQ_GROUPING", "cost")
-    cost = _pair_spread(dataset, batches, 2)
-    assert length > 0.02  # length neighbours: sources of unrelated length make unequal batches
-    assert cost < length / 5, (cost, length)
-
-
-@pytest.mark.parametrize("ranks,update_freq", [(2, 1), (2, 2)])
-def test_cost_grouping_one_rank_with_more_micro_batches_sees_the_same_updates(monkeypatch, ranks, update_freq):
-    monkeypatch.setenv("LS_FAIRSEQ_GROUPING", "cost")
-    dataset, batches = _length_sorted_batches(37)
-
-    def updates(n_ranks, freq):
-        per_rank = [list(_sized_iterator(dataset, batches, n_ranks, r, freq).next_epoch_itr())
-                    for r in range(n_ranks)]
-        return [sorted(x[0] for p in per_rank for x in p[u:u + freq] if x)
-                for u in range(0, len(per_rank[0]), freq)]
-
-    assert updates(1, ranks * update_freq) == updates(ranks, update_freq)
-
-
-def test_cost_grouping_without_sizes_keeps_length_neighbours(monkeypatch, caplog):
-    length = _epoch(_iterator(30, 2, 0, [1]))
-    monkeypatch.setenv("LS_FAIRSEQ_GROUPING", "cost")
-    with caplog.at_level("WARNING"):
-        assert _epoch(_iterator(30, 2, 0, [1])) == length
-    assert "no per-item sizes" in caplog.text
-
-
-def test_an_unknown_grouping_is_refused(monkeypatch):
-    monkeypatch.setenv("LS_FAIRSEQ_GROUPING", "tokens")
-    with pytest.raises(ValueError, match="LS_FAIRSEQ_GROUPING='tokens': expected one of length, cost"):
-        _iterator(4, 2, 0, [1])
 
 
 _RANK_FLAGS = ["--dropout", "0", "--max-update", "8", "--log-interval", "1"]
