@@ -179,7 +179,7 @@ def test_step_timing_summary_takes_medians_after_the_warm_up():
     assert "micro-batch fwd+bwd 11.50 ms" in line  # median of 10, 12 (five times each), 11 and 30
     assert "after the last backward 3.00 ms" in line
     assert "between updates 0.50 ms (mean 1.17, max 4.50)" in line
-    assert "pairs of micro-batches: mean 11.00 ms, slower of the two 12.00 ms" in line
+    assert "pairs of micro-batches: mean 11.00 ms, slower of the two 12.00 ms, first 10.00 ms, second 12.00 ms" in line
     # one micro-batch per update: no pair figures; a single update is kept whole
     line = step_timing_summary([[9.0]], [10.0], [1.0], [None])
     assert "medians over the last 1: update 10.00 ms" in line and "pairs" not in line and "between" not in line

@@ -356,8 +356,10 @@ def step_timing_summary(micro, updates, tails, gaps, skip=0.25):
                  f"max {max(kept_gaps):.2f})")
     pairs = [ms for ms in micro[first:] if len(ms) == 2]
     if pairs:
+        # first and second apart: whether the slower one is a batch or a position (after the step)
         line += (f", pairs of micro-batches: mean {med([sum(ms) / 2 for ms in pairs]):.2f} ms, slower of the two "
-                 f"{med([max(ms) for ms in pairs]):.2f} ms")
+                 f"{med([max(ms) for ms in pairs]):.2f} ms, first {med([ms[0] for ms in pairs]):.2f} ms, "
+                 f"second {med([ms[1] for ms in pairs]):.2f} ms")
     return line
 
 
