@@ -181,5 +181,10 @@ def test_step_timing_summary_takes_medians_after_the_warm_up():
     assert "between updates 0.50 ms (mean 1.17, max 4.50)" in line
     assert "pairs of micro-batches: mean 11.00 ms, slower of the two 12.00 ms, first 10.00 ms, second 12.00 ms" in line
     # one micro-batch per update: no pair figures; a single update is kept whole
+    assert "host waits" not in line  # no waits given
+    # host waits at the settle: the warm-up quarter dropped, updates settled elsewhere (None) left out
+    waits = [30.0, 30.0, None, 0.2, 0.5, 8.0, 9.0, 10.0]
+    line = step_timing_summary(micro, updates, tails, gaps, waits=waits)
+    assert "host waits at the settle 8.00 ms (tenth percentile 0.20, under 1 ms in 2 of 5)" in line
     line = step_timing_summary([[9.0]], [10.0], [1.0], [None])
     assert "medians over the last 1: update 10.00 ms" in line and "pairs" not in line and "between" not in line

@@ -87,6 +87,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping
 from types import SimpleNamespace
 
@@ -331,7 +332,7 @@ def _inner_and_scaler(opt):
     return opt, None
 
 
-def step_timing_summary(micro, updates, tails, gaps, skip=0.25):
+def step_timing_summary(micro, updates, tails, gaps, skip=0.25, waits=None):
     """The line ``LS_FAIRSEQ_STEP_TIMING=1`` logs: medians over the updates after the first ``skip``
     fraction (allocator and autotuning warm-up), all in GPU milliseconds.
 
@@ -339,7 +340,10 @@ def step_timing_summary(micro, updates, tails, gaps, skip=0.25):
     micro-batch start to the end of the optimizer step; ``tails``: end of the last backward to
     the end of the optimizer step (gradient reduction still running, norm, Adam); ``gaps``: the
     end of the previous update to the start of this one (the sample's copy and whatever the GPU
-    waited for: a gap well above a few hundred microseconds means it waited for the host)."""
+    waited for: a gap well above a few hundred microseconds means it waited for the host);
+    ``waits``: host milliseconds, per update, that the host spent waiting for the previous update's
+    outcome when it settled it (after queueing this update's forward and backward). Near zero, the
+    host is the bottleneck: the GPU may already be idle, waiting for the next launches."""
     import statistics
 
     n = len(updates)
@@ -354,6 +358,11 @@ def step_timing_summary(micro, updates, tails, gaps, skip=0.25):
     if kept_gaps:
         line += (f", between updates {med(kept_gaps):.2f} ms (mean {statistics.mean(kept_gaps):.2f}, "
                  f"max {max(kept_gaps):.2f})")
+    kept_waits = [w for w in (waits or [])[first:] if w is not None]
+    if kept_waits:
+        ordered = sorted(kept_waits)
+        line += (f", host waits at the settle {med(kept_waits):.2f} ms (tenth percentile "
+                 f"{ordered[len(ordered) // 10]:.2f}, under 1 ms in {sum(w < 1.0 for w in kept_waits)} of {len(kept_waits)})")
     pairs = [ms for ms in micro[first:] if len(ms) == 2]
     if pairs:
         # first and second apart: whether the slower one is a batch or a position (after the step)
@@ -374,6 +383,7 @@ class _StepTimer:
     def __init__(self, rank=0):
         self.rank = rank
         self.micro, self.updates, self.tails, self.gaps = [], [], [], []
+        self.waits = []  # host ms waiting for the settled update, aligned with the updates it settles
         self.last_end = None
         import atexit
 
@@ -384,7 +394,8 @@ class _StepTimer:
         ev.record()
         return ev
 
-    def settle(self, events):
+    def settle(self, events, wait=None):
+        self.waits.append(wait)
         marks = [e.elapsed_time(f) for e, f in zip(events[:-2:2], events[1:-1:2])]
         self.micro.append(marks)
         self.updates.append(events[0].elapsed_time(events[-1]))
@@ -393,7 +404,7 @@ class _StepTimer:
         self.last_end = events[-1]
 
     def report(self):
-        line = step_timing_summary(self.micro, self.updates, self.tails, self.gaps)
+        line = step_timing_summary(self.micro, self.updates, self.tails, self.gaps, waits=self.waits)
         if line is not None:
             logger.warning("rank %d %s", self.rank, line)
 
@@ -549,7 +560,11 @@ class LSTrainer(Trainer):
 
         # the previous update, long finished on the GPU: settle it before this one uses the
         # learning rate, the step count and the loss scale that depend on it
-        self._ls_resolve()
+        self._ls_settle_in_step = True
+        try:
+            self._ls_resolve()
+        finally:
+            self._ls_settle_in_step = False
 
         with _label("clip-grads"):
             numer = world if sync_stats else 1
@@ -695,10 +710,14 @@ class LSTrainer(Trainer):
         if pending is None:
             return
         self._ls_pending = None
+        timed = pending.events is not None and self.__dict__.get("_ls_settle_in_step", False)
+        t0 = time.perf_counter() if timed else 0.0
         values = pending.values()
         if pending.events is not None:
+            # only the settle inside the next update's step tells how far ahead the host runs
+            wait = (time.perf_counter() - t0) * 1e3 if timed else None
             pending.events[-1].synchronize()  # recorded after the Adam step that the read above waited for
-            self._ls_timer.settle(pending.events)
+            self._ls_timer.settle(pending.events, wait)
         grad_norm, norms = values[0], values[1:pending.n_status]
         if isinstance(pending.logging_outputs, _SummedLogs):
             pending.logging_outputs = pending.logging_outputs.read(values[pending.n_status:])
