@@ -11,7 +11,8 @@
 #             forward, backward and optimizer step, into machine.txt. Where the host ms of a step come close
 #             to its GPU ms, the 2-GPU runs (one micro-batch per update) are host-bound on this machine.
 #   LS_FAIRSEQ_STEP_TIMING=1 (exported): every run logs its GPU time per update, per micro-batch, after the
-#             last backward and between updates (medians, each rank); the lines are collected at the end.
+#             last backward and between updates, and the host time of each part of the step (medians, each
+#             rank); the lines are collected at the end.
 #   PACK_TO:  a folder that receives logs.tgz (every log) and pairs.txt: a device call that may bring back
 #             only a few files sets OUT to a scratch folder and PACK_TO to its own output folder, in this
 #             order: PACK_TO=$OUT OUT=/tmp/rounds bash benchmarks/gpu_scaling_rounds.sh
@@ -47,7 +48,8 @@ for name in "${names[@]:1}"; do ratios "${name} vs ${names[0]}" "r@b_${names[0]}
 intervals "$OUT"/r*.log | tee -a "$OUT/pairs.txt"
 # with LS_FAIRSEQ_STEP_TIMING=1 exported: every rank's timing line (GPU ms, medians), named by its run
 for f in "$OUT"/r*.log; do
-  grep -h "step timing" "$f" | sed -e "s|^.*\(rank [0-9]* step timing\)|$(basename "$f" .log) \1|"
+  grep -h "step timing\|host ms per update" "$f" \
+    | sed -E -e "s/^.*(rank [0-9]+ (step timing|host ms per update))/$(basename "$f" .log) \1/"
 done | tee -a "$OUT/pairs.txt"
 if [[ -n "${PACK_TO:-}" ]]; then
   mkdir -p "$PACK_TO" && tar czf "$PACK_TO/logs.tgz" -C "$OUT" . && cp "$OUT/pairs.txt" "$PACK_TO/"

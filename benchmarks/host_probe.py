@@ -135,11 +135,11 @@ def main():
     prof.disable()
     s = io.StringIO()
     st = pstats.Stats(prof, stream=s).sort_stats("tottime")
-    st.print_stats(45)
-    print("CPROF tottime\n" + s.getvalue()[-12000:])
+    st.print_stats(80)
+    print("CPROF tottime\n" + s.getvalue()[-20000:])
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(40)
-    print("CPROF cumtime\n" + s.getvalue()[-9000:])
+    pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(80)
+    print("CPROF cumtime\n" + s.getvalue()[-20000:])
 
 
 if __name__ == "__main__":

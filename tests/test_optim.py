@@ -130,6 +130,69 @@ def test_workspace_views_ties_and_zero_grad():
     assert torch.equal(w.grad, torch.full((5, 3), 4.0)) and w.grad.data_ptr() == f32.grad.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", range(6))
+def test_workspace_sync_fast_path_equals_the_per_parameter_pass(dtype, seed):
+    """sync's list-wide fast path leaves the same buffers, views and repair count as the pass that
+    looks at each parameter, whatever mix of states the parameters are in; states it does not
+    handle (replaced weights, writes from outside) fall back to that pass."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(3, 4), (0,), (7,), (2, 2, 2), (5,), (1,)]
+
+    def fresh():
+        ps = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype))
+              for i, s in enumerate(shapes)]
+        return ps, FlatWorkspace(ps)
+
+    states = []
+    for (a_ps, a_ws), (b_ps, b_ws) in [(fresh(), fresh())]:
+        for _ in range(4):  # a few rounds: the fast path must also leave a state the next call reads
+            kinds = torch.randint(0, 5, (len(shapes),), generator=gen).tolist()
+            for ps in (a_ps, b_ps):
+                for i, (p, k) in enumerate(zip(ps, kinds)):
+                    g = torch.full(shapes[i], float(k + 1), dtype=dtype)
+                    if k == 0:
+                        p.grad = None
+                    elif k == 1:
+                        p.grad = g  # a fresh tensor, as autograd hands over after zero_grad
+                    elif k == 2 and p.grad is not None:
+                        p.grad.add_(1)  # accumulated into whatever it is
+                    elif k == 3 and seed % 3 == 0 and p.numel() > 0:
+                        p.data = p.data.clone() * 2  # replaced weights: per-parameter pass
+                    elif k == 4 and seed % 3 == 1 and p.numel() > 0:
+                        with torch.no_grad():
+                            p.add_(1)  # written in place from outside: per-parameter pass
+            fast = a_ws.sync()
+            slow = sum(buf._sync_each(True) for buf in b_ws.buffers)
+            assert fast == slow
+            for pa, pb in zip(a_ps, b_ps):
+                torch.testing.assert_close(pa.data, pb.data, rtol=0, atol=0)
+                torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=0)
+            for ba, bb in zip(a_ws.buffers, b_ws.buffers):
+                for name in ("param", "grad", "master"):
+                    torch.testing.assert_close(getattr(ba, name), getattr(bb, name), rtol=0, atol=0)
+                for i, p in enumerate(ba.params):
+                    if p.numel():
+                        assert p.grad.data_ptr() == ba.slice(ba.grad, i).data_ptr()
+                        assert p.data_ptr() == ba.slice(ba.param, i).data_ptr()
+            states.append(fast)
+    assert any(states)  # something was repaired
+
+
+def test_workspace_sync_fast_path_is_taken_for_fresh_and_viewed_gradients():
+    ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    ws = FlatWorkspace(ps)
+    buf = ws.buffers[0]
+    ws.zero_grad()
+    (ps[0].sum() * 2).backward()  # ps[1] gets no gradient
+    assert buf._sync_fast(True) == 2
+    assert torch.equal(ps[0].grad, torch.full((4, 3), 2.0)) and ps[1].grad.abs().sum() == 0
+    assert buf._sync_fast(True) == 0  # every gradient is now its view
+    ps[0].data = ps[0].data.clone()
+    assert buf._sync_fast(True) is None  # a replaced weight needs the per-parameter pass
+    assert ws.sync() == 1 and buf._sync_fast(True) == 0
+
+
 def test_workspace_repairs_broken_views():
     ours, theirs = make_params(torch.float16), make_params(torch.float16)
     opt = LSAdam(ours, lr=1e-2)

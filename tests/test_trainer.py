@@ -188,3 +188,15 @@ def test_step_timing_summary_takes_medians_after_the_warm_up():
     assert "host waits at the settle 8.00 ms (tenth percentile 0.20, under 1 ms in 2 of 5)" in line
     line = step_timing_summary([[9.0]], [10.0], [1.0], [None])
     assert "medians over the last 1: update 10.00 ms" in line and "pairs" not in line and "between" not in line
+
+
+def test_host_sections_summary_gives_medians_after_the_warm_up():
+    from ls_fairseq.fairseq_ext.trainer import host_sections_summary
+
+    assert host_sections_summary({}) is None
+    sections = {"forward and backward": [50.0, 40.0, 10.0, 12.0, 11.0, 30.0, 10.5, 11.5],
+                "optimizer step": [9.0, 9.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0],
+                "outside the step": [3.0]}
+    line = host_sections_summary(sections)
+    assert line == ("host ms per update (medians): forward and backward 11.25, optimizer step 1.00, "
+                    "outside the step 3.00")

@@ -372,6 +372,19 @@ def step_timing_summary(micro, updates, tails, gaps, skip=0.25, waits=None):
     return line
 
 
+def host_sections_summary(sections, skip=0.25):
+    """One line: the median host milliseconds of each part of the train step (and of the time
+    outside it, in fairseq's loop), over the updates after the first ``skip`` fraction."""
+    import statistics
+
+    parts = []
+    for name, values in sections.items():
+        kept = values[min(int(len(values) * skip), len(values) - 1):] if values else []
+        if kept:
+            parts.append(f"{name} {statistics.median(kept):.2f}")
+    return ("host ms per update (medians): " + ", ".join(parts)) if parts else None
+
+
 class _StepTimer:
     """``LS_FAIRSEQ_STEP_TIMING=1`` (CUDA, deferred step): GPU milliseconds of every micro-batch's
     forward + backward, of every whole update, of its part after the last backward, and of the
@@ -385,6 +398,27 @@ class _StepTimer:
         self.micro, self.updates, self.tails, self.gaps = [], [], [], []
         self.waits = []  # host ms waiting for the settled update, aligned with the updates it settles
         self.last_end = None
+        # host milliseconds of each part of train_step, per update (see host_sections)
+        self.host = {}
+        self._host_t = None
+        self._host_left = None  # when the previous train_step returned
+
+    def host_start(self):
+        now = time.perf_counter()
+        if self._host_left is not None:
+            self.host.setdefault("outside the step", []).append((now - self._host_left) * 1e3)
+        self._host_t = now
+
+    def host_mark(self, name):
+        """Close the host section ``name`` (started by the previous mark or host_start)."""
+        now = time.perf_counter()
+        if self._host_t is not None:
+            self.host.setdefault(name, []).append((now - self._host_t) * 1e3)
+        self._host_t = now
+
+    def host_end(self):
+        self.host_mark("the rest of the step")
+        self._host_left = time.perf_counter()
         import atexit
 
         atexit.register(self.report)
@@ -405,6 +439,9 @@ class _StepTimer:
 
     def report(self):
         line = step_timing_summary(self.micro, self.updates, self.tails, self.gaps, waits=self.waits)
+        if line is not None:
+            logger.warning("rank %d %s", self.rank, line)
+        line = host_sections_summary(self.host)
         if line is not None:
             logger.warning("rank %d %s", self.rank, line)
 
@@ -502,6 +539,8 @@ class LSTrainer(Trainer):
         world = self.data_parallel_world_size
 
         timer = self._step_timer()
+        if timer is not None:
+            timer.host_start()
         events = []
         logging_outputs, sample_size, ooms = [], 0, 0
         is_dummy_batch = False
@@ -541,6 +580,8 @@ class LSTrainer(Trainer):
                 self._save_crash_checkpoint(ls_adam)
                 raise
 
+        if timer is not None:
+            timer.host_mark("forward and backward")
         if is_dummy_batch:
             sample_size = sample_size.zero_() if torch.is_tensor(sample_size) else sample_size * 0.0
         sample_size = sample_size.float() if torch.is_tensor(sample_size) else float(sample_size)
@@ -553,6 +594,8 @@ class LSTrainer(Trainer):
                 logging_outputs, sample_size, ooms, train_time, ignore=is_dummy_batch)
             self._cumulative_training_time = total_train_time / world
 
+        if timer is not None:
+            timer.host_mark("statistics")
         with _label("reduce-grads"):
             opt.all_reduce_grads(self.model)
             if utils.has_parameters(self.criterion):
@@ -560,11 +603,15 @@ class LSTrainer(Trainer):
 
         # the previous update, long finished on the GPU: settle it before this one uses the
         # learning rate, the step count and the loss scale that depend on it
+        if timer is not None:
+            timer.host_mark("gradient reduction")
         self._ls_settle_in_step = True
         try:
             self._ls_resolve()
         finally:
             self._ls_settle_in_step = False
+        if timer is not None:
+            timer.host_mark("settle the previous update")
 
         with _label("clip-grads"):
             numer = world if sync_stats else 1
@@ -601,6 +648,8 @@ class LSTrainer(Trainer):
                 distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
                 status.append(buf)  # copied by _PendingStep before the next update reuses it
 
+        if timer is not None:
+            timer.host_mark("norm and factor")
         with _label("optimizer"):
             ls_adam._optimizer._grad_factor = factor  # read by the kernel; not finite: no update
             ls_adam.step()
@@ -610,6 +659,7 @@ class LSTrainer(Trainer):
 
         if timer is not None:
             events.append(timer.mark())
+            timer.host_mark("optimizer step")
         complete = timer is not None and len(events) == 2 * len(samples) + 1  # no micro-batch lost to OOM
         pending = _PendingStep(status, summed, logging_outputs, sample_size, clip, events if complete else None)
         self._ls_pending = pending
@@ -631,6 +681,8 @@ class LSTrainer(Trainer):
         if self._count_is_read_after(num_updates):
             self._ls_resolve()
         metrics.log_stop_time("train_wall")
+        if timer is not None:
+            timer.host_end()
         return out
 
     def _save_crash_checkpoint(self, ls_adam):

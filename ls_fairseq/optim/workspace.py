@@ -124,6 +124,67 @@ class FlatBuffer:
         parameters, not one each): after :meth:`FlatWorkspace.zero_grad` every gradient is a
         fresh tensor that autograd handed over without an accumulation kernel.
         """
+        fast = self._sync_fast(keep_grads)
+        if fast is not None:
+            return fast
+        return self._sync_each(keep_grads)
+
+    def _expected(self):
+        """(indices of the non-empty parameters, their expected weight addresses, their gradient
+        views, the views' addresses, their shapes), for the current weight and gradient buffers."""
+        key = (self.param.data_ptr(), self.grad.data_ptr())
+        cached = self.__dict__.get("_expected_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        esize = self.param.element_size()
+        idx = [i for i, (_, k) in enumerate(self.offsets) if k > 0]
+        views = [self.grad_view(i) for i in idx]
+        out = (idx, [key[0] + self.offsets[i][0] * esize for i in idx], views, [v.data_ptr() for v in views],
+               [torch.Size(self.shapes[i]) for i in idx])
+        self._expected_cache = (key, out)
+        return out
+
+    def _sync_fast(self, keep_grads: bool):
+        """:meth:`sync` for the usual states, with list-wide comparisons instead of a Python pass
+        per parameter (a step calls it once; the per-parameter pass cost ~2 us per parameter on a
+        slow host, ~0.4 ms for a big Transformer): every weight is still its view and unchanged
+        from outside, and every gradient is its view, None or a fresh tensor of autograd.
+        Returns the repair count, or None when :meth:`_sync_each` must look at each parameter."""
+        idx, ptrs, views, view_ptrs, shapes = self._expected()
+        params = [self.params[i] for i in idx] if len(idx) != len(self.params) else self.params
+        if [p.data_ptr() for p in params] != ptrs or [p.shape for p in params] != shapes:
+            return None
+        dtype = self.dtype
+        if any(p.dtype != dtype for p in params):
+            return None
+        versions = [p._version for p in self.params]
+        if self.has_separate_master and versions != self._versions:
+            return None
+        grads = [p.grad for p in params]
+        if [g.data_ptr() if g is not None else -1 for g in grads] == view_ptrs:
+            return 0  # every gradient is its view (autograd accumulated into them)
+        if any(g is not None and (g.is_sparse or g.dtype != dtype) for g in grads):
+            return None
+        copy_dst, copy_src, zero_dst = [], [], []
+        repaired = 0
+        with torch.no_grad():
+            for p, g, v, vp in zip(params, grads, views, view_ptrs):
+                if g is not None and g.data_ptr() == vp:
+                    continue
+                if g is None:
+                    zero_dst.append(v)
+                else:
+                    copy_dst.append(v)
+                    copy_src.append(g)
+                p.grad = v
+                repaired += 1
+            if keep_grads:
+                self._write((copy_dst, copy_src, zero_dst))
+        self._versions = versions
+        return repaired
+
+    def _sync_each(self, keep_grads: bool) -> int:
+        """:meth:`sync`, one parameter at a time (handles every state)."""
         repaired = 0
         base_p = self.param.data_ptr()
         esize = self.param.element_size()
