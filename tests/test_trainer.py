@@ -198,5 +198,5 @@ def test_host_sections_summary_gives_medians_after_the_warm_up():
                 "optimizer step": [9.0, 9.0, 1.0, 1.0, 2.0, 1.0, 1.0, 1.0],
                 "outside the step": [3.0]}
     line = host_sections_summary(sections)
-    assert line == ("host ms per update (medians): forward and backward 11.25, optimizer step 1.00, "
+    assert line == ("host ms per update (medians; forward and backward per micro-batch): forward and backward 11.25, optimizer step 1.00, "
                     "outside the step 3.00")

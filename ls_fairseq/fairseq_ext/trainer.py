@@ -234,14 +234,19 @@ class _ScaledLossOptimizer:
     """The optimizer as the task sees it in a deferred step: ``backward`` multiplies the loss by the
     loss scale held on the device (fairseq's wrapper multiplies by its host copy)."""
 
-    def __init__(self, optimizer, scale):
+    def __init__(self, optimizer, scale, timer=None):
         self._optimizer = optimizer
         self._scale = scale
+        self._timer = timer  # LS_FAIRSEQ_STEP_TIMING: the host time of forward and backward apart
 
     def backward(self, loss):
+        if self._timer is not None:
+            self._timer.host_mark("forward")
         if self._scale is not None:
             loss = loss * self._scale
         loss.backward()
+        if self._timer is not None:
+            self._timer.host_mark("backward")
 
     def __getattr__(self, name):
         return getattr(self._optimizer, name)
@@ -374,7 +379,8 @@ def step_timing_summary(micro, updates, tails, gaps, skip=0.25, waits=None):
 
 def host_sections_summary(sections, skip=0.25):
     """One line: the median host milliseconds of each part of the train step (and of the time
-    outside it, in fairseq's loop), over the updates after the first ``skip`` fraction."""
+    outside it, in fairseq's loop), over the values after the first ``skip`` fraction. Forward and
+    backward have one value per micro-batch, the other parts one per update."""
     import statistics
 
     parts = []
@@ -382,7 +388,8 @@ def host_sections_summary(sections, skip=0.25):
         kept = values[min(int(len(values) * skip), len(values) - 1):] if values else []
         if kept:
             parts.append(f"{name} {statistics.median(kept):.2f}")
-    return ("host ms per update (medians): " + ", ".join(parts)) if parts else None
+    return ("host ms per update (medians; forward and backward per micro-batch): " + ", ".join(parts)
+            if parts else None)
 
 
 class _StepTimer:
@@ -402,6 +409,9 @@ class _StepTimer:
         self.host = {}
         self._host_t = None
         self._host_left = None  # when the previous train_step returned
+        import atexit
+
+        atexit.register(self.report)
 
     def host_start(self):
         now = time.perf_counter()
@@ -419,9 +429,6 @@ class _StepTimer:
     def host_end(self):
         self.host_mark("the rest of the step")
         self._host_left = time.perf_counter()
-        import atexit
-
-        atexit.register(self.report)
 
     def mark(self):
         ev = torch.cuda.Event(enable_timing=True)
@@ -535,10 +542,9 @@ class LSTrainer(Trainer):
         ls_adam, scaler = _inner_and_scaler(opt)
         scale = self._device_loss_scale(scaler)
         knobs = self._knobs()
-        task_opt = _ScaledLossOptimizer(opt, scale)
         world = self.data_parallel_world_size
-
         timer = self._step_timer()
+        task_opt = _ScaledLossOptimizer(opt, scale, timer)
         if timer is not None:
             timer.host_start()
         events = []
@@ -581,7 +587,7 @@ class LSTrainer(Trainer):
                 raise
 
         if timer is not None:
-            timer.host_mark("forward and backward")
+            timer.host_mark("the rest of the micro-batches")
         if is_dummy_batch:
             sample_size = sample_size.zero_() if torch.is_tensor(sample_size) else sample_size * 0.0
         sample_size = sample_size.float() if torch.is_tensor(sample_size) else float(sample_size)
