@@ -5,24 +5,35 @@
 #   b: the same command on GPU 0 and GPU 1 at once, two processes     (host contention, no communication)
 #   c: 2 GPUs, lightseq-train default                                 (overlapped reduce-scatter, hooks)
 #   d: 2 GPUs, LS_FAIRSEQ_SYNC_ALL_REDUCE=1                           (no gradient hooks in the backward)
-# Logs and a summary (summary.txt) under $OUT; UPDATES (default 200) each.
+#   e: 2 GPUs, --bucket-cap-mb 100                                    (4x fewer buckets to fold and launch)
+# RUNS (default "a b c d") picks the runs, in that order. Logs and a summary (summary.txt) under $OUT;
+# UPDATES (default 200) each.
 cd "$(dirname "$0")/.."
 export LS_FAIRSEQ_STEP_TIMING=1
 source benchmarks/multi_gpu_common.sh
 G=(--max-update "${UPDATES:-200}" --grouped-shuffling)
-run a_1gpu_alone env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2
-CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2 > "$OUT/b_1gpu_both_gpu0.log" 2>&1 &
-CUDA_VISIBLE_DEVICES=1 $T "${COMMON[@]}" "${G[@]}" --update-freq 2 > "$OUT/b_1gpu_both_gpu1.log" 2>&1
-wait
-run c_2gpu_default $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
-run d_2gpu_sync_all_reduce env LS_FAIRSEQ_SYNC_ALL_REDUCE=1 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
+pairs=()
+for part in ${RUNS:-a b c d}; do
+  case $part in
+    a) run a_1gpu_alone env CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2 ;;
+    b) CUDA_VISIBLE_DEVICES=0 $T "${COMMON[@]}" "${G[@]}" --update-freq 2 > "$OUT/b_1gpu_both_gpu0.log" 2>&1 &
+       CUDA_VISIBLE_DEVICES=1 $T "${COMMON[@]}" "${G[@]}" --update-freq 2 > "$OUT/b_1gpu_both_gpu1.log" 2>&1
+       wait ;;
+    c) run c_2gpu_default $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
+       pairs+=("$OUT/a_1gpu_alone.log" "$OUT/c_2gpu_default.log") ;;
+    d) run d_2gpu_sync_all_reduce env LS_FAIRSEQ_SYNC_ALL_REDUCE=1 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
+       pairs+=("$OUT/a_1gpu_alone.log" "$OUT/d_2gpu_sync_all_reduce.log") ;;
+    e) run e_2gpu_bucket100 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2 --bucket-cap-mb 100
+       pairs+=("$OUT/a_1gpu_alone.log" "$OUT/e_2gpu_bucket100.log") ;;
+    *) echo "unknown run '$part' (RUNS takes a b c d e)"; exit 2 ;;
+  esac
+done
 python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"
 {
   cat "$OUT/machine.txt"
-  python benchmarks/scaling_pairs.py "${AFTER:-60}" "$OUT/a_1gpu_alone.log" "$OUT/c_2gpu_default.log" \
-    "$OUT/a_1gpu_alone.log" "$OUT/d_2gpu_sync_all_reduce.log"
-  intervals "$OUT"/[abcd]_*.log
-  for f in "$OUT"/[abcd]_*.log; do
+  [[ ${#pairs[@]} -gt 0 && -f "$OUT/a_1gpu_alone.log" ]] && python benchmarks/scaling_pairs.py "${AFTER:-60}" "${pairs[@]}"
+  intervals "$OUT"/[abcde]_*.log
+  for f in "$OUT"/[abcde]_*.log; do
     grep -h "step timing\|host ms per update" "$f" \
       | sed -E -e "s/^.*(rank [0-9]+ (step timing|host ms per update))/$(basename "$f" .log) \1/"
   done

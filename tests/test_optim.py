@@ -193,6 +193,38 @@ def test_workspace_sync_fast_path_is_taken_for_fresh_and_viewed_gradients():
     assert ws.sync() == 1 and buf._sync_fast(True) == 0
 
 
+@pytest.mark.parametrize("state", ["fresh", "none", "mixed", "views", "fresh_and_views"])
+def test_workspace_adopt_grads_fast_path_equals_the_general_path(state):
+    """adopt_grads of fresh gradients (list-wide) leaves what the per-parameter path leaves; other
+    states take the per-parameter path unchanged."""
+    shapes = [(3, 4), (0,), (7,), (5,)]
+
+    def setup():
+        ps = [torch.nn.Parameter(torch.full(s, float(i + 1))) for i, s in enumerate(shapes)]
+        ws = FlatWorkspace(ps)
+        for i, p in enumerate(ps):
+            if state == "fresh" or (state == "mixed" and i % 2 == 0) or (state == "fresh_and_views" and i < 2):
+                p.grad = torch.full(shapes[i], 10.0 + i)
+            elif state in ("none", "mixed"):
+                p.grad = None
+            else:  # already its view, holding a value
+                p.grad.fill_(20.0 + i)
+        return ps, ws.buffers[0]
+
+    (pa, ba), (pb, bb) = setup(), setup()
+    members = [2, 1, 0, 3]
+    ba.adopt_grads(members)
+    pending = ([], [], [])
+    for i in members:
+        bb._adopt_grad(i, pending)
+    bb._write(pending)
+    torch.testing.assert_close(ba.grad, bb.grad, rtol=0, atol=0)
+    for i, (a, b) in enumerate(zip(pa, pb)):
+        assert a.grad.data_ptr() == ba.slice(ba.grad, i).data_ptr()
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    assert ba._adopt_fresh(members) is False  # now every gradient is its view
+
+
 def test_workspace_repairs_broken_views():
     ours, theirs = make_params(torch.float16), make_params(torch.float16)
     opt = LSAdam(ours, lr=1e-2)

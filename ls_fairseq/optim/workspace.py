@@ -225,6 +225,8 @@ class FlatBuffer:
         zeroes its slice. With ``divide_by`` every adopted gradient is also divided by it, in the same
         pass (:func:`ls_fairseq.ops.copy_div_`; a gradient that already is the view is divided in
         place); zeroed slices stay zero."""
+        if divide_by is None and self._adopt_fresh(indices):
+            return
         pending = ([], [], [])
         for i in indices:
             if not self._adopt_grad(i, pending) and divide_by is not None:
@@ -239,6 +241,30 @@ class FlatBuffer:
         copy_dst, copy_src, zero_dst = pending
         copy_div_(copy_dst, copy_src, divide_by)
         self._write(([], [], zero_dst))
+
+    def _adopt_fresh(self, indices) -> bool:
+        """:meth:`adopt_grads` (without division) where every parameter in ``indices`` has a fresh,
+        dense gradient of the buffer's dtype (autograd's, after zero_grad) or none: list-wide, without
+        the per-parameter calls of the general path (an overlapped reduction adopts every bucket in
+        the backward, where the host is often the bottleneck). Returns False, having changed
+        nothing, when some gradient is in another state."""
+        params = self.params
+        ps = [params[i] for i in indices]
+        grads = [p.grad for p in ps]
+        dtype = self.dtype
+        for g in grads:
+            if g is not None and (g.is_sparse or g.dtype != dtype):
+                return False
+        views = [self.grad_view(i) for i in indices]
+        if any(g is not None and g.data_ptr() == v.data_ptr() for g, v in zip(grads, views)):
+            return False  # some gradients already are their views: the general path
+        copy_dst = [v for g, v in zip(grads, views) if g is not None]
+        copy_src = [g for g in grads if g is not None]
+        zero_dst = [v for g, v in zip(grads, views) if g is None]
+        for p, v in zip(ps, views):
+            p.grad = v
+        self._write((copy_dst, copy_src, zero_dst))
+        return True
 
     def _adopt_grad(self, i: int, pending) -> bool:
         """Attach parameter i's gradient view unless ``p.grad`` already is it; with ``pending``
