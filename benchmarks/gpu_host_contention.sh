@@ -6,6 +6,7 @@
 #   c: 2 GPUs, lightseq-train default                                 (overlapped reduce-scatter, hooks)
 #   d: 2 GPUs, LS_FAIRSEQ_SYNC_ALL_REDUCE=1                           (no gradient hooks in the backward)
 #   e: 2 GPUs, --bucket-cap-mb 100                                    (4x fewer buckets to fold and launch)
+#   f: 2 GPUs, LS_FAIRSEQ_CPU_AFFINITY=1                              (each rank on its own half of the cores)
 # RUNS (default "a b c d") picks the runs, in that order. Logs and a summary (summary.txt) under $OUT;
 # UPDATES (default 200) each.
 cd "$(dirname "$0")/.."
@@ -25,15 +26,17 @@ for part in ${RUNS:-a b c d}; do
        pairs+=("$OUT/a_1gpu_alone.log" "$OUT/d_2gpu_sync_all_reduce.log") ;;
     e) run e_2gpu_bucket100 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2 --bucket-cap-mb 100
        pairs+=("$OUT/a_1gpu_alone.log" "$OUT/e_2gpu_bucket100.log") ;;
-    *) echo "unknown run '$part' (RUNS takes a b c d e)"; exit 2 ;;
+    f) run f_2gpu_affinity env LS_FAIRSEQ_CPU_AFFINITY=1 $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
+       pairs+=("$OUT/a_1gpu_alone.log" "$OUT/f_2gpu_affinity.log") ;;
+    *) echo "unknown run '$part' (RUNS takes a b c d e f)"; exit 2 ;;
   esac
 done
 python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"
 {
   cat "$OUT/machine.txt"
   [[ ${#pairs[@]} -gt 0 && -f "$OUT/a_1gpu_alone.log" ]] && python benchmarks/scaling_pairs.py "${AFTER:-60}" "${pairs[@]}"
-  intervals "$OUT"/[abcde]_*.log
-  for f in "$OUT"/[abcde]_*.log; do
+  intervals "$OUT"/[a-f]_*.log
+  for f in "$OUT"/[a-f]_*.log; do
     grep -h "step timing\|host ms per update" "$f" \
       | sed -E -e "s/^.*(rank [0-9]+ (step timing|host ms per update))/$(basename "$f" .log) \1/"
   done

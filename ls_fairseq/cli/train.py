@@ -103,6 +103,13 @@ def _train_main(cfg, **kwargs):
     by name, so each worker imports this module and applies the fixes itself."""
     from fairseq_cli import train as fairseq_train
 
+    from ls_fairseq.cli import affinity
+
+    dt = cfg.distributed_training
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or getattr(dt, "distributed_num_procs", None) or 1)
+    local_rank = int(os.environ.get("LOCAL_RANK") or getattr(dt, "device_id", 0) or 0)
+    if local_rank < local_world:
+        affinity.apply(local_rank, local_world)
     patch_fp16_optimizer_for_bf16()
     use_ls_trainer(fairseq_train)
     out = fairseq_train.main(cfg, **kwargs)
