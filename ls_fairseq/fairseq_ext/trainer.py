@@ -493,7 +493,10 @@ class LSTrainer(Trainer):
 
     def _set_seed(self):
         """fairseq's per-update seed (the seed plus the update count), without torch's lazy queues."""
-        seed_generators(self.cfg.common.seed + self.get_num_updates())
+        seed = self.__dict__.get("_ls_seed")
+        if seed is None:
+            seed = self._ls_seed = self.cfg.common.seed  # read once: omegaconf attribute reads are slow
+        seed_generators(seed + self.get_num_updates())
 
     def _deferred_step_applies(self) -> bool:
         """Whether this run can take the step without host reads (decided once per optimizer)."""
@@ -744,6 +747,8 @@ class LSTrainer(Trainer):
                        if e and e > 0],
                 max_update=int(cfg.optimization.max_update or 0),
                 timed_stop=cfg.optimization.stop_time_hours > 0,
+                fp16=bool(cfg.common.fp16),
+                bf16=bool(cfg.common.bf16),
             )
         return knobs
 
@@ -802,7 +807,7 @@ class LSTrainer(Trainer):
         if scaler is not None:
             scaler.update()
         agg = self._log_step_stats(pending.logging_outputs, grad_norm, pending.clip_norm)
-        if self.cfg.common.fp16:
+        if self._knobs().fp16:
             metrics.log_scalar("loss_scale", scaler.loss_scale, priority=700, round=4, weight=0)
         if pending.output is not None:
             pending.output._settle(agg, pending.sample_size)
@@ -900,6 +905,29 @@ class LSTrainer(Trainer):
         return out
 
     # ------------------------------------------------------------ batches
+    @property
+    def data_parallel_world_size(self):
+        """fairseq's value, read once the process group is up (it reads the omegaconf config and the
+        process group at every call, several times per update)."""
+        cached = self.__dict__.get("_ls_dp_world")
+        if cached is not None:
+            return cached
+        value = Trainer.data_parallel_world_size.fget(self)
+        if value > 1 or self.cfg.distributed_training.distributed_world_size == 1 or (
+                torch.distributed.is_available() and torch.distributed.is_initialized()):
+            self._ls_dp_world = value
+        return value
+
+    def _fp_convert_sample(self, sample):
+        """fairseq's conversion of float32 sample tensors to fp16 / bf16, with the flags read once."""
+        knobs = self._knobs()
+        if knobs.fp16:
+            sample = utils.apply_to_sample(lambda t: t.to(dtype=torch.half) if t.dtype is torch.float32 else t, sample)
+        if knobs.bf16:
+            sample = utils.apply_to_sample(
+                lambda t: t.to(dtype=torch.bfloat16) if t.dtype is torch.float32 else t, sample)
+        return sample
+
     def _prepare_sample(self, sample, is_dummy=False):
         if self.cuda and not self.pipeline_model_parallel and isinstance(sample, dict) and len(sample) > 0:
             rows = self._counted_rows(sample)
