@@ -6,8 +6,10 @@ micro-batch grew when a second training process ran beside it, with or without c
 between them (benchmarks/RESULTS.md). This option splits the CPUs the process may use into as many
 disjoint slices as there are training processes on the machine, whole physical cores together
 (hyperthread siblings are kept in one slice, from /sys topology where the system shows it), and
-restricts process ``local_rank`` to its slice before it starts any thread of its own. Threads and
-data-loader workers started afterwards inherit the slice.
+restricts the main thread of process ``local_rank`` to its slice when lightseq-train's training
+function starts. The threads and processes started afterwards (the autograd and pin-memory threads,
+the data-loader workers) inherit the slice; those the process group's set-up started before (NCCL's)
+keep the whole machine.
 """
 
 import logging
