@@ -405,7 +405,7 @@ class _StepTimer:
         self.micro, self.updates, self.tails, self.gaps = [], [], [], []
         self.waits = []  # host ms waiting for the settled update, aligned with the updates it settles
         self.last_end = None
-        # host milliseconds of each part of train_step, per update (see host_sections)
+        # host milliseconds of each part of train_step (see host_sections_summary)
         self.host = {}
         self._host_t = None
         self._host_left = None  # when the previous train_step returned
