@@ -614,11 +614,7 @@ class LSTrainer(Trainer):
         # learning rate, the step count and the loss scale that depend on it
         if timer is not None:
             timer.host_mark("gradient reduction")
-        self._ls_settle_in_step = True
-        try:
-            self._ls_resolve()
-        finally:
-            self._ls_settle_in_step = False
+        self._ls_resolve(in_step=True)
         if timer is not None:
             timer.host_mark("settle the previous update")
 
@@ -767,13 +763,14 @@ class LSTrainer(Trainer):
             return False
 
     # -------------------------------------------------------- settling
-    def _ls_resolve(self):
-        """Settle the pending update: read its outcome and do the host side of fairseq's step."""
+    def _ls_resolve(self, in_step=False):
+        """Settle the pending update: read its outcome and do the host side of fairseq's step.
+        ``in_step``: called from the next update's step (where the step timer measures the wait)."""
         pending = self.__dict__.get("_ls_pending")
         if pending is None:
             return
         self._ls_pending = None
-        timed = pending.events is not None and self.__dict__.get("_ls_settle_in_step", False)
+        timed = in_step and pending.events is not None
         t0 = time.perf_counter() if timed else 0.0
         values = pending.values()
         if pending.events is not None:

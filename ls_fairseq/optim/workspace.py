@@ -165,23 +165,31 @@ class FlatBuffer:
             return 0  # every gradient is its view (autograd accumulated into them)
         if any(g is not None and (g.is_sparse or g.dtype != dtype) for g in grads):
             return None
-        copy_dst, copy_src, zero_dst = [], [], []
-        repaired = 0
         with torch.no_grad():
-            for p, g, v, vp in zip(params, grads, views, view_ptrs):
-                if g is not None and g.data_ptr() == vp:
-                    continue
-                if g is None:
-                    zero_dst.append(v)
-                else:
-                    copy_dst.append(v)
-                    copy_src.append(g)
-                p.grad = v
-                repaired += 1
+            pending, repaired = self._attach_grad_views(params, grads, views, view_ptrs)
             if keep_grads:
-                self._write((copy_dst, copy_src, zero_dst))
+                self._write(pending)
         self._versions = versions
         return repaired
+
+    @staticmethod
+    def _attach_grad_views(params, grads, views, view_ptrs):
+        """Make each ``p.grad`` that is not yet its view (address in ``view_ptrs``) the view; returns
+        (copy destinations, copy sources, slices to zero) that keep the gradients' values, and how many
+        views were attached. The gradients must be dense and of the buffer's dtype, or None."""
+        copy_dst, copy_src, zero_dst = [], [], []
+        attached = 0
+        for p, g, v, vp in zip(params, grads, views, view_ptrs):
+            if g is not None and g.data_ptr() == vp:
+                continue
+            if g is None:
+                zero_dst.append(v)
+            else:
+                copy_dst.append(v)
+                copy_src.append(g)
+            p.grad = v
+            attached += 1
+        return (copy_dst, copy_src, zero_dst), attached
 
     def _sync_each(self, keep_grads: bool) -> int:
         """:meth:`sync`, one parameter at a time (handles every state)."""
@@ -256,14 +264,11 @@ class FlatBuffer:
             if g is not None and (g.is_sparse or g.dtype != dtype):
                 return False
         views = [self.grad_view(i) for i in indices]
-        if any(g is not None and g.data_ptr() == v.data_ptr() for g, v in zip(grads, views)):
+        view_ptrs = [v.data_ptr() for v in views]
+        if any(g is not None and g.data_ptr() == vp for g, vp in zip(grads, view_ptrs)):
             return False  # some gradients already are their views: the general path
-        copy_dst = [v for g, v in zip(grads, views) if g is not None]
-        copy_src = [g for g in grads if g is not None]
-        zero_dst = [v for g, v in zip(grads, views) if g is None]
-        for p, v in zip(ps, views):
-            p.grad = v
-        self._write((copy_dst, copy_src, zero_dst))
+        pending, _ = self._attach_grad_views(ps, grads, views, view_ptrs)
+        self._write(pending)
         return True
 
     def _adopt_grad(self, i: int, pending) -> bool:
