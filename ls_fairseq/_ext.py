@@ -102,5 +102,10 @@ def source():
 
 
 def reset_for_tests():
+    import sys
+
     with _lock:
         _state.update(tried=False, module=None, reason=None, source=None)
+        dispatch = sys.modules.get("ls_fairseq.ops._dispatch")
+        if dispatch is not None:  # what it remembered of the previous module
+            dispatch._HAS_ENTRY.clear()

@@ -29,14 +29,44 @@ def test_slices_are_disjoint_and_cover_every_core():
         affinity.slice_for(2, 2, cores)
 
 
-def test_apply_only_when_asked_and_shared(monkeypatch):
+def test_setting_values(monkeypatch):
     monkeypatch.delenv("LS_FAIRSEQ_CPU_AFFINITY", raising=False)
-    assert affinity.apply(0, 2) is None
-    monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", "1")
-    assert affinity.apply(0, 1) is None  # alone on the machine: nothing to split
+    assert affinity.setting() == "auto"
+    for value, want in (("auto", "auto"), ("1", "on"), ("true", "on"), ("0", "off"), ("no", "off")):
+        monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", value)
+        assert affinity.setting() == want
     monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", "maybe")
-    with pytest.raises(ValueError, match="expected 0 or 1"):
-        affinity.requested()
+    with pytest.raises(ValueError, match="expected auto, 0 or 1"):
+        affinity.setting()
+
+
+def test_apply_only_when_shared_and_wanted(monkeypatch):
+    calls = []
+    monkeypatch.setattr(affinity, "_TOPOLOGY", "/nonexistent/cpu{}")  # every CPU a core of its own
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append(sorted(cpus)), raising=False)
+    monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", "1")
+    assert affinity.apply(0, 1, cpu_count=16) is None  # alone on the machine: nothing to split
+    monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", "0")
+    assert affinity.apply(0, 2, cpu_count=16) is None
+    assert calls == []
+    # auto: the whole machine, 8 CPUs each
+    monkeypatch.delenv("LS_FAIRSEQ_CPU_AFFINITY")
+    assert affinity.apply(1, 2, cpu_count=16) == list(range(8, 16)) and calls == [list(range(8, 16))]
+    # auto leaves a process that someone already restricted alone, and a machine too small to split
+    assert affinity.apply(1, 2, cpu_count=32) is None
+    assert affinity.apply(1, 8, cpu_count=16) is None
+    assert len(calls) == 1
+    # 1 splits in both cases
+    monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", "1")
+    assert affinity.apply(1, 2, cpu_count=32) == list(range(8, 16))
+    assert affinity.apply(7, 8, cpu_count=16) == [14, 15]
+    assert len(calls) == 3
+
+
+def test_ranges_text():
+    assert affinity._ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    assert affinity._ranges([5]) == "5"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

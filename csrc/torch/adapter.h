@@ -110,6 +110,7 @@ inline OptTensor channel_param(const char* op, const char* name, const OptTensor
   if (!present(p)) return std::nullopt;
   LS_CHECK(p->is_cuda() && p->device() == x.device(), op, ": ", name, " must be on ", x.device());
   LS_CHECK(p->dim() == 1 && p->size(0) == C, op, ": ", name, " must have shape [", C, "], got ", p->sizes());
+  if (p->scalar_type() == x.scalar_type() && p->is_contiguous()) return *p;  // the usual case: no dispatch
   return p->to(x.scalar_type()).contiguous();
 }
 
@@ -148,8 +149,16 @@ inline int checked_int(const char* op, const char* what, int64_t v) {
 template <typename F>
 inline void launch(const char* op, F&& f) {
   std::string err;
-  {
+  // Called from Python the GIL is held and released here; called from an autograd node's backward
+  // (the engine's thread, autograd.cpp) it is not held and there is nothing to release.
+  if (PyGILState_Check()) {
     pybind11::gil_scoped_release nogil;
+    try {
+      f();
+    } catch (const std::runtime_error& e) {
+      err = e.what();
+    }
+  } else {
     try {
       f();
     } catch (const std::runtime_error& e) {

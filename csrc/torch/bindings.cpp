@@ -69,4 +69,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dst"), py::arg("src"), py::arg("divisor"));
   m.def("grad_norm", guarded(&grad_norm), "L2 norm of a flat buffer, or of ranges of it (fp32 scalar tensor)",
         py::arg("grad"), py::arg("ranges") = std::vector<int64_t>{});
+
+  // autograd nodes in C++ (autograd.cpp)
+  m.def("ag_layer_norm", guarded(&ag_layer_norm), "differentiable layer norm (+ residual): [y] or [y, x + residual]",
+        py::arg("x"), py::arg("residual") = none, py::arg("weight"), py::arg("bias"), py::arg("eps"));
+  m.def("ag_pre_layer_norm", guarded(&ag_pre_layer_norm), "differentiable pre-LN entry: [layer_norm(x), x]",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
+  m.def("ag_bias_dropout_residual", guarded(&ag_bias_dropout_residual),
+        "differentiable residual + dropout(x + bias): [out, mask]", py::arg("x"), py::arg("bias") = none,
+        py::arg("residual"), py::arg("p"));
+  m.def("ag_bias_act_dropout", guarded(&ag_bias_act_dropout), "differentiable dropout(act(x + bias)): [out, mask]",
+        py::arg("x"), py::arg("bias") = none, py::arg("activation"), py::arg("p"));
+  m.def("ag_split_heads", guarded(&ag_split_heads), "differentiable [B,T,n*C] (+bias) -> n x [B,H,T,D] (n <= 3)",
+        py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
+  m.def("ag_linear", guarded(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = none);
 }

@@ -50,4 +50,16 @@ Tensor grad_norm(const Tensor& grad, const std::vector<int64_t>& ranges);
 // by PyTorch's in-place division by a host number, in one pass.
 void copy_div(const std::vector<Tensor>& dst, const std::vector<Tensor>& src, double divisor);
 
+// Autograd nodes in C++ (autograd.cpp): the differentiable forms of the ops above that a training step
+// calls most, plus a linear layer; each records one node in the graph.
+std::vector<Tensor> ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                  const Tensor& bias, double eps);
+std::vector<Tensor> ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
+std::vector<Tensor> ag_bias_dropout_residual(const Tensor& x, const OptTensor& bias, const Tensor& residual,
+                                             double p);
+std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const std::string& activation,
+                                        double p);
+std::vector<Tensor> ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
+Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
+
 }  // namespace ls_torch

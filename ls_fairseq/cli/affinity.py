@@ -1,15 +1,22 @@
-"""``LS_FAIRSEQ_CPU_AFFINITY=1``: each training process of one machine keeps to its own CPU cores.
+"""Each training process of one machine keeps to its own CPU cores (``LS_FAIRSEQ_CPU_AFFINITY``).
 
 With one micro-batch per update, a GPU's training process is often limited by its host thread
 (the Python that launches the kernels), and on the 2-GPU machines we measured the host time of a
 micro-batch grew when a second training process ran beside it, with or without communication
-between them (benchmarks/RESULTS.md). This option splits the CPUs the process may use into as many
+between them (benchmarks/RESULTS.md). Splitting the CPUs the process may use into as many
 disjoint slices as there are training processes on the machine, whole physical cores together
 (hyperthread siblings are kept in one slice, from /sys topology where the system shows it), and
-restricts the main thread of process ``local_rank`` to its slice when lightseq-train's training
-function starts. The threads and processes started afterwards (the autograd and pin-memory threads,
-the data-loader workers) inherit the slice; those the process group's set-up started before (NCCL's)
-keep the whole machine.
+restricting process ``local_rank`` to its slice took that time back. The main thread is restricted
+when lightseq-train's training function starts; the threads and processes started afterwards (the
+autograd and pin-memory threads, the data-loader workers) inherit the slice; those the process
+group's set-up started before (NCCL's) keep the whole machine.
+
+``LS_FAIRSEQ_CPU_AFFINITY``:
+  unset or ``auto``: split when two or more training processes share the machine, the process may
+  use every CPU of the machine (nobody restricted it already: taskset, numactl, a job scheduler's
+  cgroup) and every slice gets at least ``AUTO_MIN_CPUS`` CPUs;
+  ``1``: split whenever two or more training processes share the machine, within the CPUs allowed;
+  ``0``: never.
 """
 
 import logging
@@ -21,11 +28,19 @@ logger = logging.getLogger(__name__)
 _TOPOLOGY = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
 
 
-def requested() -> bool:
-    value = os.environ.get("LS_FAIRSEQ_CPU_AFFINITY", "0").strip().lower()
-    if value not in ("", "0", "1", "false", "true", "no", "yes"):
-        raise ValueError(f"LS_FAIRSEQ_CPU_AFFINITY={value!r}: expected 0 or 1")
-    return value in ("1", "true", "yes")
+AUTO_MIN_CPUS = 4  # "auto" leaves a machine alone where a slice would be smaller than this
+
+
+def setting() -> str:
+    """'auto', 'on' or 'off', from LS_FAIRSEQ_CPU_AFFINITY."""
+    value = os.environ.get("LS_FAIRSEQ_CPU_AFFINITY", "auto").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"LS_FAIRSEQ_CPU_AFFINITY={value!r}: expected auto, 0 or 1")
 
 
 def _parse_list(text: str) -> List[int]:
@@ -81,17 +96,45 @@ def slice_for(local_rank: int, local_world: int, cores: List[List[int]]) -> List
     return [c for core in cores[start:start + n] for c in core]
 
 
-def apply(local_rank: int, local_world: int) -> Optional[List[int]]:
-    """Restrict this process to its slice (see the module docstring) when
-    ``LS_FAIRSEQ_CPU_AFFINITY=1`` and more than one training process shares the machine. Returns
-    the CPUs it kept, or None when nothing was changed."""
-    if not requested() or local_world < 2:
+def apply(local_rank: int, local_world: int, cpu_count: Optional[int] = None) -> Optional[List[int]]:
+    """Restrict this process to its slice (see the module docstring). Returns the CPUs it kept, or
+    None when nothing was changed. ``cpu_count``: the machine's CPUs (os.cpu_count() when None)."""
+    mode = setting()
+    if mode == "off" or local_world < 2:
         return None
     if not hasattr(os, "sched_setaffinity"):
-        logger.warning("LS_FAIRSEQ_CPU_AFFINITY=1: this system cannot set CPU affinity; ignored")
+        if mode == "on":
+            logger.warning("LS_FAIRSEQ_CPU_AFFINITY=1: this system cannot set CPU affinity; ignored")
         return None
-    cpus = slice_for(local_rank, local_world, physical_cores(sorted(os.sched_getaffinity(0))))
+    allowed = sorted(os.sched_getaffinity(0))
+    total = cpu_count if cpu_count is not None else (os.cpu_count() or len(allowed))
+    if mode == "auto":
+        if len(allowed) < total:
+            logger.info("CPU affinity: this process is already restricted to %d of the machine's %d CPUs; left as "
+                        "it is (LS_FAIRSEQ_CPU_AFFINITY=1 splits them between the training processes anyway)",
+                        len(allowed), total)
+            return None
+        if len(allowed) < AUTO_MIN_CPUS * local_world:
+            logger.info("CPU affinity: %d CPUs for %d training processes, fewer than %d each; not split "
+                        "(LS_FAIRSEQ_CPU_AFFINITY=1 splits them anyway)", len(allowed), local_world, AUTO_MIN_CPUS)
+            return None
+    cpus = slice_for(local_rank, local_world, physical_cores(allowed))
     os.sched_setaffinity(0, cpus)
-    logger.info("LS_FAIRSEQ_CPU_AFFINITY=1: training process %d of %d on this machine keeps to CPUs %s",
-                local_rank, local_world, ",".join(map(str, cpus)))
+    logger.info("CPU affinity: training process %d of %d on this machine keeps to CPUs %s "
+                "(LS_FAIRSEQ_CPU_AFFINITY=0 turns this off)", local_rank, local_world, _ranges(cpus))
     return cpus
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 3, 8, 10, 11] -> '0-3,8,10-11'"""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)

@@ -9,7 +9,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fairseq.models import FairseqIncrementalDecoder
@@ -145,7 +144,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         return x, {"attn": [None], "inner_states": inner_states}
 
     def output_layer(self, features):
-        return F.linear(features, self.output_projection.weight)
+        return ops.linear(features, self.output_projection.weight)
 
     # ------------------------------------------------------------- beam search
     def reorder_incremental_state(self, incremental_state, new_order):

@@ -11,7 +11,6 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ls_fairseq import ops
 
@@ -65,7 +64,7 @@ class SelfAttention(nn.Module):
         ``cache`` (incremental decoding): holds prev_key / prev_value [B, H, t, D]; new keys
         and values are appended and stored back.
         """
-        qkv = F.linear(x, self.in_proj_weight)
+        qkv = ops.linear(x, self.in_proj_weight)
         q, k, v = ops.qkv_split(qkv, self.in_proj_bias, self.num_heads)
         if cache is not None:
             if "prev_key" in cache:
@@ -74,7 +73,7 @@ class SelfAttention(nn.Module):
             cache["prev_key"], cache["prev_value"] = k, v
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             p=self.attention_dropout, training=self.training)
-        return F.linear(ops.merge_heads(out), self.out_proj.weight)
+        return ops.linear(ops.merge_heads(out), self.out_proj.weight)
 
 
 class CrossAttention(nn.Module):
@@ -93,8 +92,8 @@ class CrossAttention(nn.Module):
     def forward(self, x, k, v, key_padding_mask=None):
         """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]."""
         B, T, C = x.shape
-        q = F.linear(x, self.q_proj.weight, self.q_proj.bias)
+        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias)
         q = q.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training)
-        return F.linear(ops.merge_heads(out), self.out_proj.weight)
+        return ops.linear(ops.merge_heads(out), self.out_proj.weight)

@@ -12,7 +12,6 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ls_fairseq import ops
 from ls_fairseq.modules.attention import CrossAttention, SelfAttention, check_heads, linear_bias_init_, xavier_block_
@@ -36,7 +35,7 @@ class BatchedCrossKV(nn.Module):
 
     def forward(self, encoder_out) -> List[torch.Tensor]:
         """encoder_out [B, S, C] -> [k_0, v_0, k_1, v_1, ...], each [B, H, S, D]."""
-        kv = F.linear(encoder_out, self.weight)
+        kv = ops.linear(encoder_out, self.weight)
         return list(ops.split_heads(kv, self.bias, 2 * self.num_layers, self.num_heads))
 
 

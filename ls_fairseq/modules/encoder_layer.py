@@ -5,7 +5,6 @@ Parameter names follow fairseq's TransformerEncoderLayer except the fused
 """
 
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ls_fairseq import ops
 from ls_fairseq.modules.attention import SelfAttention
@@ -44,9 +43,9 @@ class EncoderLayer(nn.Module):
 
     def ffn(self, x):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = F.linear(h, self.fc1.weight)
+        h = ops.linear(h, self.fc1.weight)
         h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
-        h = F.linear(h, self.fc2.weight)
+        h = ops.linear(h, self.fc2.weight)
         x = ops.bias_dropout_residual(h, self.fc2.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.final_layer_norm(x)

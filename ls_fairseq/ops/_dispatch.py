@@ -5,6 +5,7 @@ loaded, and the extension exports the op's entry point. Everything else (CPU ten
 no extension, LS_FAIRSEQ_DISABLE_KERNELS=1) runs the reference. :func:`explain` tells why.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -36,24 +37,59 @@ def kernel_module(op: str, *tensors: Optional[torch.Tensor]):
     """The extension module if ``op`` should run its kernel for these tensors, else None.
 
     Unsupported floating dtypes and tensors spread over several devices take the reference, so
-    that argument errors are raised by Python checks rather than inside the extension.
+    that argument errors are raised by Python checks rather than inside the extension. A training
+    step calls this hundreds of times: it reads only cheap tensor attributes (is_cuda, the device
+    index, the dtype) and remembers per op whether the extension exports the entry point.
     """
-    entry = KERNEL_ENTRY.get(op)
-    if entry is None:
-        return None
-    device = None
+    device = -1
     for t in tensors:
         if t is None:
             continue
-        if t.device.type != "cuda" or (device is not None and t.device != device):
+        if not t.is_cuda:
             return None
-        device = t.device
-        if t.is_floating_point() and t.dtype not in KERNEL_DTYPES:
+        index = t.get_device()
+        if device != index and device != -1:
+            return None
+        device = index
+        dt = t.dtype
+        if dt.is_floating_point and dt not in KERNEL_DTYPES:
             return None
     mod = _ext.get()
-    if mod is None or not hasattr(mod, entry):
+    if mod is None:
         return None
-    return mod
+    has = _HAS_ENTRY.get(op)
+    if has is None:
+        entry = KERNEL_ENTRY.get(op)
+        has = _HAS_ENTRY[op] = entry is not None and hasattr(mod, entry)
+    return mod if has else None
+
+
+_HAS_ENTRY = {}  # op -> whether the loaded extension exports its entry point (cleared with the extension)
+
+
+def cpp_nodes(mod):
+    """``mod`` when an op should record its C++ autograd node (ls_fairseq._C.ag_*), else None.
+
+    The C++ nodes do the work of the Python autograd.Functions without entering Python after the
+    call; they are used in eager mode whenever the extension has them. ``torch.compile`` traces
+    the Python Functions (through the custom ops), and ``LS_FAIRSEQ_CPP_AUTOGRAD=0`` keeps the
+    Python Functions everywhere (to compare the two)."""
+    if mod is None or not _CPP_AUTOGRAD or torch.compiler.is_compiling():
+        return None
+    has = _HAS_ENTRY.get("cpp_nodes")
+    if has is None:
+        has = _HAS_ENTRY["cpp_nodes"] = hasattr(mod, "ag_linear")
+    return mod if has else None
+
+
+def _cpp_autograd_setting() -> bool:
+    value = os.environ.get("LS_FAIRSEQ_CPP_AUTOGRAD", "1").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes"):
+        raise ValueError(f"LS_FAIRSEQ_CPP_AUTOGRAD={value!r}: expected 0 or 1")
+    return value not in ("0", "false", "no")
+
+
+_CPP_AUTOGRAD = _cpp_autograd_setting()
 
 
 def explain(op: str) -> str:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ls_fairseq.ops._checks import check_activation, check_dropout, check_last_dim, up
-from ls_fairseq.ops._dispatch import kernel_module
+from ls_fairseq.ops._dispatch import cpp_nodes, kernel_module
 from ls_fairseq.ops._kernels import call, unpack_mask
 
 
@@ -78,7 +78,11 @@ class _BiasActDropoutFn(torch.autograd.Function):
 
 def _fused(mod, x, bias, activation, p, training, return_mask):  # kernel slot
     p_eff = float(p) if training else 0.0
-    out, bits = _BiasActDropoutFn.apply(x, bias, activation, p_eff)
+    nodes = cpp_nodes(mod)
+    if nodes is not None:
+        out, bits = nodes.ag_bias_act_dropout(x, bias, activation, p_eff)
+    else:
+        out, bits = _BiasActDropoutFn.apply(x, bias, activation, p_eff)
     if not return_mask:
         return out
     return out, (unpack_mask(bits, x.shape) if p_eff > 0 else None)

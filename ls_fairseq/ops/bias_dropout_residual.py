@@ -8,7 +8,7 @@ replays a given dropout pattern in the reference; ``return_mask=True`` returns
 import torch
 
 from ls_fairseq.ops._checks import check_dropout, check_last_dim, up
-from ls_fairseq.ops._dispatch import kernel_module
+from ls_fairseq.ops._dispatch import cpp_nodes, kernel_module
 from ls_fairseq.ops._kernels import call, unpack_mask
 
 
@@ -69,7 +69,11 @@ class _BiasDropoutResidualFn(torch.autograd.Function):
 
 def _fused(mod, x, bias, residual, p, training, return_mask):  # kernel slot
     p_eff = float(p) if training else 0.0
-    out, bits = _BiasDropoutResidualFn.apply(x, bias, residual, p_eff)
+    nodes = cpp_nodes(mod)
+    if nodes is not None:
+        out, bits = nodes.ag_bias_dropout_residual(x, bias, residual, p_eff)
+    else:
+        out, bits = _BiasDropoutResidualFn.apply(x, bias, residual, p_eff)
     if not return_mask:
         return out
     return out, (unpack_mask(bits, x.shape) if p_eff > 0 else None)

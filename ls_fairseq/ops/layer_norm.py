@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ls_fairseq.ops._checks import check_last_dim, up
-from ls_fairseq.ops._dispatch import kernel_module
+from ls_fairseq.ops._dispatch import cpp_nodes, kernel_module
 from ls_fairseq.ops._kernels import call
 
 
@@ -56,6 +56,10 @@ def pre_layer_norm(x, weight, bias, eps: float = 1e-5):
     _check(x, weight, bias)
     mod = kernel_module("layer_norm", x, weight, bias)
     if mod is not None and 0 < x.shape[-1] <= KERNEL_MAX_C:
+        nodes = cpp_nodes(mod)
+        if nodes is not None:
+            y, xs = nodes.ag_pre_layer_norm(x, weight, bias, float(eps))
+            return y, xs
         return _PreLayerNormFn.apply(x, weight, bias, eps)
     return layer_norm_reference(x, weight, bias, eps), x
 
@@ -112,5 +116,8 @@ def _fused_layer_norm(mod, x, residual, weight, bias, eps):  # kernel slot
         if residual is None:
             return (layer_norm_reference(x, weight, bias, eps),)
         return add_layer_norm_reference(x, residual, weight, bias, eps)
+    nodes = cpp_nodes(mod)
+    if nodes is not None:
+        return tuple(nodes.ag_layer_norm(x, residual, weight, bias, float(eps)))
     out = _LayerNormFn.apply(x, residual, weight, bias, eps)
     return out if residual is not None else (out,)

@@ -1,0 +1,245 @@
+// Autograd nodes written in C++ for the ops a training step calls most often (per transformer-big
+// micro-batch: 32 layer norms, 30 bias+dropout+residual, 12 bias+act+dropout, 12 head splits, 62
+// linear layers). A Python torch.autograd.Function costs tens of microseconds of host time per call
+// (building its context in Python, and in the backward taking the GIL and calling Python); these
+// nodes do the same work without entering Python after the call. The numerics are those of the
+// adapters they call (layer_norm.cpp, dropout.cpp, heads.cpp) and of at::mm / at::addmm; the Python
+// Functions in ls_fairseq/ops stay for torch.compile, which traces them through the custom ops.
+//
+// Conventions: every tensor argument comes first and is an at::Tensor (undefined for "none"), so the
+// index of an argument is also the index of its edge for needs_input_grad(). Gradients that are not
+// needed arrive undefined (set_materialize_grads(false)); parameter gradients are returned in the
+// parameter's dtype.
+#include <torch/extension.h>
+
+#include "torch/ops.h"
+
+namespace ls_torch {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+inline Tensor contig(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+inline OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+inline OptTensor opt_contig(const Tensor& t) { return t.defined() ? OptTensor(contig(t)) : std::nullopt; }
+inline Tensor as_dtype(const Tensor& t, int64_t dt) {
+  const auto st = static_cast<at::ScalarType>(dt);
+  return (!t.defined() || t.scalar_type() == st) ? t : t.to(st);
+}
+inline int64_t dtype_code(const Tensor& t) { return static_cast<int64_t>(t.defined() ? t.scalar_type() : at::kFloat); }
+
+// layer_norm(x) -> [y]; with a residual: layer_norm(x + residual), x + residual -> [y, s]
+struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& residual, const Tensor& weight,
+                               const Tensor& bias, double eps) {
+    const bool has_res = residual.defined();
+    Tensor xc = contig(x);
+    auto r = layer_norm_fwd(xc, opt_contig(residual), weight, bias, eps);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({has_res ? r[1] : xc, weight, r[2], r[3]});
+    ctx->saved_data["res"] = has_res;
+    ctx->saved_data["bdt"] = dtype_code(bias);
+    if (has_res) return {r[0], r[1]};
+    return {r[0]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool has_res = ctx->saved_data["res"].toBool();
+    const Tensor gs = has_res && grads.size() > 1 ? grads[1] : Tensor();
+    if (!grads[0].defined()) {  // only x + residual was used
+      return {gs, has_res ? gs : Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    auto s = ctx->get_saved_variables();
+    auto r = layer_norm_bwd(contig(grads[0]), opt_contig(gs), s[0], s[1], s[2], s[3]);
+    Tensor dg = as_dtype(r[1], dtype_code(s[1])), db = as_dtype(r[2], ctx->saved_data["bdt"].toInt());
+    return {r[0], has_res ? r[0] : Tensor(), dg, db, Tensor()};
+  }
+};
+
+// pre-LN block entry: (layer_norm(x), x). Both gradients reach this node, and the kernel adds the
+// residual branch's gradient into dx in the same pass.
+struct PreLayerNormNode : public torch::autograd::Function<PreLayerNormNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                               double eps) {
+    Tensor xc = contig(x);
+    auto r = layer_norm_fwd(xc, std::nullopt, weight, bias, eps);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({xc, weight, r[2], r[3]});
+    ctx->saved_data["bdt"] = dtype_code(bias);
+    return {r[0], x.view_as(x)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor gx = grads.size() > 1 ? grads[1] : Tensor();
+    if (!grads[0].defined()) return {gx, Tensor(), Tensor(), Tensor()};
+    auto s = ctx->get_saved_variables();
+    auto r = layer_norm_bwd(contig(grads[0]), opt_contig(gx), s[0], s[1], s[2], s[3]);
+    return {r[0], as_dtype(r[1], dtype_code(s[1])), as_dtype(r[2], ctx->saved_data["bdt"].toInt()), Tensor()};
+  }
+};
+
+// residual + dropout(x + bias) -> [out, mask]; saves only the 1-bit-per-element mask.
+struct BiasDropoutResidualNode : public torch::autograd::Function<BiasDropoutResidualNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const Tensor& residual,
+                               double p) {
+    auto r = bias_dropout_residual_fwd(contig(x), opt(bias), contig(residual), p);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({r[1]});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["bdt"] = dtype_code(bias);
+    ctx->mark_non_differentiable({r[1]});
+    return {r[0], r[1]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& g = grads[0];
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    const double p = ctx->saved_data["p"].toDouble();
+    const bool need_db = ctx->needs_input_grad(1);
+    auto s = ctx->get_saved_variables();
+    Tensor gc = contig(g);
+    auto r = bias_act_dropout_bwd(gc, std::nullopt, std::nullopt, std::nullopt, p > 0 ? OptTensor(s[0]) : std::nullopt,
+                                  p, "none", need_db);
+    return {r[0], need_db ? as_dtype(r[1], ctx->saved_data["bdt"].toInt()) : Tensor(), g, Tensor()};
+  }
+};
+
+// dropout(activation(x + bias)) -> [out, mask]; relu saves its output only, gelu x, bias and the mask.
+struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias,
+                               const std::string& activation, double p) {
+    Tensor xc = contig(x);
+    auto r = bias_act_dropout_fwd(xc, opt(bias), activation, p);
+    const bool relu = activation == "relu";
+    ctx->set_materialize_grads(false);
+    if (relu)
+      ctx->save_for_backward({r[0]});
+    else
+      ctx->save_for_backward({xc, bias, r[1]});
+    ctx->saved_data["act"] = activation;
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["bdt"] = dtype_code(bias);
+    ctx->mark_non_differentiable({r[1]});
+    return {r[0], r[1]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& g = grads[0];
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    const std::string act = ctx->saved_data["act"].toStringRef();
+    const double p = ctx->saved_data["p"].toDouble();
+    const bool need_db = ctx->needs_input_grad(1);
+    auto s = ctx->get_saved_variables();
+    std::vector<Tensor> r;
+    if (act == "relu") {
+      r = bias_act_dropout_bwd(contig(g), std::nullopt, std::nullopt, s[0], std::nullopt, p, act, need_db);
+    } else {
+      r = bias_act_dropout_bwd(contig(g), s[0], opt(s[1]), std::nullopt, p > 0 ? OptTensor(s[2]) : std::nullopt, p,
+                               act, need_db);
+    }
+    return {r[0], need_db ? as_dtype(r[1], ctx->saved_data["bdt"].toInt()) : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// [B, T, n*C] (+ bias) -> n parts [B, H, T, D] stored token-major (n <= 3: q, k, v or k, v)
+struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, int64_t n,
+                               int64_t num_heads) {
+    LS_CHECK(n >= 1 && n <= 3, "split_heads: n must be 1, 2 or 3, got ", n);
+    Tensor out = qkv_split_fwd(contig(x), opt(bias), n, num_heads, true);
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["n"] = n;
+    ctx->saved_data["bdt"] = dtype_code(bias);
+    return out.unbind(0);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t n = ctx->saved_data["n"].toInt();
+    bool any = false;
+    OptTensor d[3];
+    for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
+      d[i] = opt(grads[i]);
+      any = any || d[i].has_value();
+    }
+    if (!any) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    const bool need_db = ctx->needs_input_grad(1);
+    auto r = qkv_split_bwd(d[0], d[1], d[2], n, need_db);
+    return {r[0], need_db ? as_dtype(r[1], ctx->saved_data["bdt"].toInt()) : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// y = x W^T (+ b) for x [..., K], W [N, K]: one GEMM on the flattened rows, one node in the graph
+// (at::linear on a 3-d input records the transpose, the reshape and the product as separate nodes).
+// The weight gradient is computed as dY^T X, already in W's [N, K] layout.
+struct LinearNode : public torch::autograd::Function<LinearNode> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+    const int64_t K = x.size(-1);
+    Tensor x2 = x.reshape({-1, K});
+    Tensor y2 = bias.defined() ? at::addmm(bias, x2, weight.t()) : at::mm(x2, weight.t());
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({x2, weight});
+    return y2.view(sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& g = grads[0];
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor()};
+    auto s = ctx->get_saved_variables();
+    const Tensor &x2 = s[0], &w = s[1];
+    Tensor g2 = g.reshape({-1, w.size(0)});
+    Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) {
+      auto sizes = g.sizes().vec();
+      sizes.back() = w.size(1);
+      dx = at::mm(g2, w).view(sizes);
+    }
+    if (ctx->needs_input_grad(1)) dw = at::mm(g2.t(), x2);
+    if (ctx->needs_input_grad(2)) db = g2.sum(0);
+    return {dx, dw, db};
+  }
+};
+
+Tensor or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
+
+}  // namespace
+
+variable_list ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
+                            double eps) {
+  return LayerNormNode::apply(x, or_undefined(residual), weight, bias, eps);
+}
+
+variable_list ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  return PreLayerNormNode::apply(x, weight, bias, eps);
+}
+
+variable_list ag_bias_dropout_residual(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p) {
+  return BiasDropoutResidualNode::apply(x, or_undefined(bias), residual, p);
+}
+
+variable_list ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const std::string& activation, double p) {
+  return BiasActDropoutNode::apply(x, or_undefined(bias), activation, p);
+}
+
+variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads) {
+  return SplitHeadsNode::apply(x, or_undefined(bias), n, num_heads);
+}
+
+Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
+  const char* op = "linear";
+  LS_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
+           " does not match weight ", weight.sizes());
+  LS_CHECK(x.device() == weight.device(), op, ": input and weight are on different devices");
+  LS_CHECK(x.scalar_type() == weight.scalar_type(), op, ": input is ", x.scalar_type(), ", weight is ",
+           weight.scalar_type());
+  if (present(bias))
+    LS_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(), op,
+             ": bias must be [", weight.size(0), "] of ", x.scalar_type(), ", got ", bias->sizes(), " of ",
+             bias->scalar_type());
+  return LinearNode::apply(x, weight, or_undefined(bias));
+}
+
+}  // namespace ls_torch
