@@ -532,3 +532,31 @@ def test_copy_div_equals_a_copy_then_a_division():
         copy_div_([dst], [dst], 0)
     with pytest.raises(ValueError, match=r"shape \(3,\) and a source of shape \(4,\)"):
         copy_div_([dst], [torch.zeros(4, dtype=torch.float16)], 2)
+
+
+def test_linear_on_cpu_is_torch_linear():
+    """ops.linear: the C++ node is for CUDA tensors; elsewhere it is F.linear, values and gradients."""
+    import torch.nn.functional as F
+
+    from ls_fairseq import ops
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    for bias in (None, b):
+        y = ops.linear(x, w, bias)
+        y_ref = F.linear(x, w, bias)
+        assert torch.equal(y, y_ref)
+        gy = torch.randn_like(y)
+        ins = [x, w] + ([b] if bias is not None else [])
+        for g, r in zip(torch.autograd.grad((y * gy).sum(), ins), torch.autograd.grad((y_ref * gy).sum(), ins)):
+            assert torch.equal(g, r)
+
+
+def test_kernel_module_takes_the_reference_off_cuda():
+    from ls_fairseq.ops import _dispatch
+
+    x = torch.randn(2, 4)
+    assert _dispatch.kernel_module("layer_norm", x, None, x) is None
+    assert _dispatch.cpp_nodes(None) is None
