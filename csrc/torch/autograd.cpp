@@ -6,8 +6,10 @@
 // adapters they call (layer_norm.cpp, dropout.cpp, heads.cpp) and of at::mm / at::addmm; the Python
 // Functions in ls_fairseq/ops stay for torch.compile, which traces them through the custom ops.
 //
-// Conventions: every tensor argument comes first and is an at::Tensor (undefined for "none"), so the
-// index of an argument is also the index of its edge for needs_input_grad(). Gradients that are not
+// Conventions: an optional tensor argument is a std::optional<Tensor>: when absent it is not an input of
+// the node at all (an undefined at::Tensor would be, and the node records the device of every input), so
+// it has no edge, and needs_input_grad() indices count only the tensors present. backward returns one
+// entry per forward argument, undefined for the absent and the non-tensor ones. Gradients that are not
 // needed arrive undefined (set_materialize_grads(false)); parameter gradients are returned in the
 // parameter's dtype.
 #include <torch/extension.h>
@@ -24,17 +26,20 @@ namespace {
 inline Tensor contig(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 inline OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 inline OptTensor opt_contig(const Tensor& t) { return t.defined() ? OptTensor(contig(t)) : std::nullopt; }
+inline OptTensor opt_contig(const OptTensor& t) { return present(t) ? OptTensor(contig(*t)) : std::nullopt; }
+inline Tensor or_undefined(const OptTensor& t) { return present(t) ? *t : Tensor(); }
 inline Tensor as_dtype(const Tensor& t, int64_t dt) {
   const auto st = static_cast<at::ScalarType>(dt);
   return (!t.defined() || t.scalar_type() == st) ? t : t.to(st);
 }
 inline int64_t dtype_code(const Tensor& t) { return static_cast<int64_t>(t.defined() ? t.scalar_type() : at::kFloat); }
+inline int64_t dtype_code(const OptTensor& t) { return dtype_code(or_undefined(t)); }
 
 // layer_norm(x) -> [y]; with a residual: layer_norm(x + residual), x + residual -> [y, s]
 struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& residual, const Tensor& weight,
-                               const Tensor& bias, double eps) {
-    const bool has_res = residual.defined();
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual,
+                               const Tensor& weight, const Tensor& bias, double eps) {
+    const bool has_res = present(residual);
     Tensor xc = contig(x);
     auto r = layer_norm_fwd(xc, opt_contig(residual), weight, bias, eps);
     ctx->set_materialize_grads(false);
@@ -82,12 +87,13 @@ struct PreLayerNormNode : public torch::autograd::Function<PreLayerNormNode> {
 
 // residual + dropout(x + bias) -> [out, mask]; saves only the 1-bit-per-element mask.
 struct BiasDropoutResidualNode : public torch::autograd::Function<BiasDropoutResidualNode> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const Tensor& residual,
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
                                double p) {
-    auto r = bias_dropout_residual_fwd(contig(x), opt(bias), contig(residual), p);
+    auto r = bias_dropout_residual_fwd(contig(x), bias, contig(residual), p);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({r[1]});
     ctx->saved_data["p"] = p;
+    ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["bdt"] = dtype_code(bias);
     ctx->mark_non_differentiable({r[1]});
     return {r[0], r[1]};
@@ -97,7 +103,7 @@ struct BiasDropoutResidualNode : public torch::autograd::Function<BiasDropoutRes
     const Tensor& g = grads[0];
     if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const double p = ctx->saved_data["p"].toDouble();
-    const bool need_db = ctx->needs_input_grad(1);
+    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(1);
     auto s = ctx->get_saved_variables();
     Tensor gc = contig(g);
     auto r = bias_act_dropout_bwd(gc, std::nullopt, std::nullopt, std::nullopt, p > 0 ? OptTensor(s[0]) : std::nullopt,
@@ -108,18 +114,19 @@ struct BiasDropoutResidualNode : public torch::autograd::Function<BiasDropoutRes
 
 // dropout(activation(x + bias)) -> [out, mask]; relu saves its output only, gelu x, bias and the mask.
 struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias,
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias,
                                const std::string& activation, double p) {
     Tensor xc = contig(x);
-    auto r = bias_act_dropout_fwd(xc, opt(bias), activation, p);
+    auto r = bias_act_dropout_fwd(xc, bias, activation, p);
     const bool relu = activation == "relu";
     ctx->set_materialize_grads(false);
     if (relu)
       ctx->save_for_backward({r[0]});
     else
-      ctx->save_for_backward({xc, bias, r[1]});
+      ctx->save_for_backward({xc, or_undefined(bias), r[1]});
     ctx->saved_data["act"] = activation;
     ctx->saved_data["p"] = p;
+    ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["bdt"] = dtype_code(bias);
     ctx->mark_non_differentiable({r[1]});
     return {r[0], r[1]};
@@ -130,7 +137,7 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
     if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const std::string act = ctx->saved_data["act"].toStringRef();
     const double p = ctx->saved_data["p"].toDouble();
-    const bool need_db = ctx->needs_input_grad(1);
+    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(1);
     auto s = ctx->get_saved_variables();
     std::vector<Tensor> r;
     if (act == "relu") {
@@ -145,12 +152,12 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
 
 // [B, T, n*C] (+ bias) -> n parts [B, H, T, D] stored token-major (n <= 3: q, k, v or k, v)
 struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, int64_t n,
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, int64_t n,
                                int64_t num_heads) {
-    LS_CHECK(n >= 1 && n <= 3, "split_heads: n must be 1, 2 or 3, got ", n);
-    Tensor out = qkv_split_fwd(contig(x), opt(bias), n, num_heads, true);
+    Tensor out = qkv_split_fwd(contig(x), bias, n, num_heads, true);
     ctx->set_materialize_grads(false);
     ctx->saved_data["n"] = n;
+    ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["bdt"] = dtype_code(bias);
     return out.unbind(0);
   }
@@ -164,7 +171,7 @@ struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
       any = any || d[i].has_value();
     }
     if (!any) return {Tensor(), Tensor(), Tensor(), Tensor()};
-    const bool need_db = ctx->needs_input_grad(1);
+    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(1);
     auto r = qkv_split_bwd(d[0], d[1], d[2], n, need_db);
     return {r[0], need_db ? as_dtype(r[1], ctx->saved_data["bdt"].toInt()) : Tensor(), Tensor(), Tensor()};
   }
@@ -174,14 +181,15 @@ struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
 // (at::linear on a 3-d input records the transpose, the reshape and the product as separate nodes).
 // The weight gradient is computed as dY^T X, already in W's [N, K] layout.
 struct LinearNode : public torch::autograd::Function<LinearNode> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias) {
     const int64_t K = x.size(-1);
     Tensor x2 = x.reshape({-1, K});
-    Tensor y2 = bias.defined() ? at::addmm(bias, x2, weight.t()) : at::mm(x2, weight.t());
+    Tensor y2 = present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({x2, weight});
+    ctx->saved_data["hb"] = present(bias);
     return y2.view(sizes);
   }
 
@@ -198,18 +206,16 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
       dx = at::mm(g2, w).view(sizes);
     }
     if (ctx->needs_input_grad(1)) dw = at::mm(g2.t(), x2);
-    if (ctx->needs_input_grad(2)) db = g2.sum(0);
+    if (ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2)) db = g2.sum(0);
     return {dx, dw, db};
   }
 };
-
-Tensor or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
 
 }  // namespace
 
 variable_list ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
                             double eps) {
-  return LayerNormNode::apply(x, or_undefined(residual), weight, bias, eps);
+  return LayerNormNode::apply(x, present(residual) ? residual : OptTensor(), weight, bias, eps);
 }
 
 variable_list ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
@@ -217,15 +223,16 @@ variable_list ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Ten
 }
 
 variable_list ag_bias_dropout_residual(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p) {
-  return BiasDropoutResidualNode::apply(x, or_undefined(bias), residual, p);
+  return BiasDropoutResidualNode::apply(x, present(bias) ? bias : OptTensor(), residual, p);
 }
 
 variable_list ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const std::string& activation, double p) {
-  return BiasActDropoutNode::apply(x, or_undefined(bias), activation, p);
+  return BiasActDropoutNode::apply(x, present(bias) ? bias : OptTensor(), activation, p);
 }
 
 variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads) {
-  return SplitHeadsNode::apply(x, or_undefined(bias), n, num_heads);
+  LS_CHECK(n >= 1 && n <= 3, "split_heads: n must be 1, 2 or 3, got ", n);
+  return SplitHeadsNode::apply(x, present(bias) ? bias : OptTensor(), n, num_heads);
 }
 
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
@@ -239,7 +246,7 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
     LS_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(), op,
              ": bias must be [", weight.size(0), "] of ", x.scalar_type(), ", got ", bias->sizes(), " of ",
              bias->scalar_type());
-  return LinearNode::apply(x, weight, or_undefined(bias));
+  return LinearNode::apply(x, weight, present(bias) ? bias : OptTensor());
 }
 
 }  // namespace ls_torch
