@@ -1,4 +1,5 @@
 // ATen adapter: fused Adam / AdamW step over flat buffers, and the flat gradient norm.
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace ls_torch {

@@ -2,6 +2,7 @@
 // releases the GIL around the kernel launches (see launch() in adapter.h).
 #include <torch/extension.h>
 
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace py = pybind11;

@@ -1,4 +1,5 @@
 // ATen adapter: multi-tensor copy-and-divide (the overlapped gradient reduction's fold of a bucket).
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace ls_torch {

@@ -1,4 +1,5 @@
 // ATen adapter: label-smoothed cross-entropy forward (sums) and backward.
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace ls_torch {

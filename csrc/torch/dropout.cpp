@@ -1,4 +1,5 @@
 // ATen adapter: bias + dropout + residual, bias + activation + dropout (forward and backward).
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace ls_torch {

@@ -1,4 +1,5 @@
 // ATen adapter: fused embedding forward and its deterministic (sort-based) backward.
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace ls_torch {

@@ -1,4 +1,5 @@
 // ATen adapter: head split (q/k/v, k/v with bias) and head merge.
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace ls_torch {

@@ -1,4 +1,5 @@
 // ATen adapter: layer norm (+ residual add) forward and backward.
+#include "torch/adapter.h"
 #include "torch/ops.h"
 
 namespace ls_torch {

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "torch/adapter.h"
+#include "torch/checks.h"
 
 namespace ls_torch {
 

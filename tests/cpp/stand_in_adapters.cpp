@@ -1,0 +1,59 @@
+// CPU stand-ins, in plain ATen, for the CUDA adapters that csrc/torch/autograd.cpp calls. They let
+// tests/test_cpp_nodes.py build the real autograd nodes on a machine without a GPU and check their
+// wiring (which inputs get which gradient, absent biases and residuals, unused outputs) against torch's
+// own autograd. The kernels themselves are tested on the GPU (tests/gpu/). No dropout here: p must be 0.
+#include "torch/ops.h"
+namespace ls_torch {
+std::vector<Tensor> layer_norm_fwd(const Tensor& x, const OptTensor& residual, const Tensor& gamma,
+                                   const Tensor& beta, double eps) {
+  Tensor s = present(residual) ? x + *residual : x;
+  auto r = at::native_layer_norm(s, {x.size(-1)}, gamma, beta, eps);
+  return {std::get<0>(r), present(residual) ? s : at::empty({0}, x.options()), std::get<1>(r), std::get<2>(r)};
+}
+std::vector<Tensor> layer_norm_bwd(const Tensor& dy, const OptTensor& dsum, const Tensor& xin, const Tensor& gamma,
+                                   const Tensor& mean, const Tensor& rstd) {
+  auto r = at::native_layer_norm_backward(dy, xin, {xin.size(-1)}, mean, rstd, gamma, gamma, {true, true, true});
+  Tensor dx = std::get<0>(r);
+  if (present(dsum)) dx = dx + *dsum;
+  return {dx, std::get<1>(r), std::get<2>(r)};
+}
+std::vector<Tensor> bias_dropout_residual_fwd(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p) {
+  LS_CHECK(p == 0.0, "fake: p must be 0");
+  Tensor y = present(bias) ? x + *bias : x.clone();
+  return {y + residual, at::empty({0}, x.options().dtype(at::kByte))};
+}
+std::vector<Tensor> bias_act_dropout_fwd(const Tensor& x, const OptTensor& bias, const std::string& act, double p) {
+  LS_CHECK(p == 0.0, "fake: p must be 0");
+  Tensor y = present(bias) ? x + *bias : x;
+  return {act == "relu" ? at::relu(y) : at::gelu(y), at::empty({0}, x.options().dtype(at::kByte))};
+}
+std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, const OptTensor& bias,
+                                         const OptTensor& out, const OptTensor& mask, double p,
+                                         const std::string& act, bool need_dbias) {
+  Tensor dx;
+  if (act == "none") dx = dy.clone();
+  else if (act == "relu") { LS_CHECK(present(out), "fake: relu needs out"); dx = dy * (*out > 0).to(dy.scalar_type()); }
+  else { LS_CHECK(present(x), "fake: gelu needs x"); Tensor y = present(bias) ? *x + *bias : *x; dx = at::gelu_backward(dy, y); }
+  Tensor db = need_dbias ? dx.reshape({-1, dy.size(-1)}).sum(0) : at::empty({0}, dy.options());
+  return {dx, db};
+}
+Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t H, bool token_major) {
+  LS_CHECK(token_major, "fake: token_major only");
+  Tensor y = present(bias) ? x + *bias : x;
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2) / n / H;
+  return y.view({B, T, n, H, D}).permute({2, 0, 1, 3, 4}).contiguous().transpose(2, 3);
+}
+std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
+                                  bool need_dbias) {
+  const OptTensor* ds[3] = {&d0, &d1, &d2};
+  Tensor ref;
+  for (int i = 0; i < n; ++i) if (present(*ds[i])) { ref = **ds[i]; break; }
+  std::vector<Tensor> parts;
+  for (int i = 0; i < n; ++i) parts.push_back(present(*ds[i]) ? **ds[i] : at::zeros_like(ref));
+  Tensor st = at::stack(parts, 0);  // [n, B, H, T, D]
+  const int64_t B = ref.size(0), H = ref.size(1), T = ref.size(2), D = ref.size(3);
+  Tensor dx = st.permute({1, 3, 0, 2, 4}).reshape({B, T, n * H * D});
+  Tensor db = need_dbias ? dx.reshape({-1, n * H * D}).sum(0) : at::empty({0}, ref.options());
+  return {dx, db};
+}
+}  // namespace ls_torch

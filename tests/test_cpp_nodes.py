@@ -1,0 +1,156 @@
+"""The C++ autograd nodes (csrc/torch/autograd.cpp) built on this machine over CPU stand-ins for their
+CUDA adapters (tests/cpp/stand_in_adapters.cpp): every node, with and without its optional inputs,
+against torch's own autograd. This checks the wiring (which input gets which gradient, absent biases
+and residuals, outputs nobody used, frozen inputs) where no GPU is needed; the kernels and the nodes
+over them are compared on the GPU in tests/gpu/test_cpp_nodes_gpu.py."""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler to build the nodes with")
+    from torch.utils import cpp_extension
+
+    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
+
+    os.environ.update(host_compiler_env())
+    build = str(tmp_path_factory.mktemp("cpp_nodes_build"))
+    return cpp_extension.load(
+        name="ls_fairseq_cpp_nodes_test",
+        sources=[os.path.join(ROOT, "tests", "cpp", "stand_in_adapters.cpp"),
+                 os.path.join(ROOT, "tests", "cpp", "nodes_module.cpp"),
+                 os.path.join(ROOT, "csrc", "torch", "autograd.cpp")],
+        extra_include_paths=[os.path.join(ROOT, "csrc")],
+        extra_cflags=cxx_flags() + ["-O0"],  # build speed; the wiring is what is tested
+        build_directory=build,
+        verbose=False,
+    )
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def _same_as_autograd(fn, ref, inputs):
+    """fn and ref on copies of inputs: the same outputs and the same gradient for every input."""
+    a, b = _leaves(*inputs), _leaves(*inputs)
+    oa, ob = fn(*a), ref(*b)
+    oa = list(oa) if isinstance(oa, (list, tuple)) else [oa]
+    ob = list(ob) if isinstance(ob, (list, tuple)) else [ob]
+    assert len(oa) >= len(ob)
+    gen = torch.Generator().manual_seed(3)
+    gys = [torch.randn(o.shape, generator=gen) for o in ob]
+    for x, y in zip(oa, ob):
+        torch.testing.assert_close(x, y)
+    ga = torch.autograd.grad(sum((o * g).sum() for o, g in zip(oa, gys)), a)
+    gb = torch.autograd.grad(sum((o * g).sum() for o, g in zip(ob, gys)), b)
+    for i, (x, y) in enumerate(zip(ga, gb)):
+        torch.testing.assert_close(x, y, msg=lambda m: f"gradient of input {i}: {m}")
+    return oa
+
+
+def _ln(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+X = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+R = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+W = 1 + 0.1 * torch.randn(16, generator=torch.Generator().manual_seed(2))
+B = 0.1 * torch.randn(16, generator=torch.Generator().manual_seed(4))
+
+
+def test_layer_norm_nodes(nodes):
+    out = _same_as_autograd(lambda x, w, b: nodes.ag_layer_norm(x, None, w, b, 1e-5), _ln, [X, W, B])
+    assert len(out) == 1 and "LayerNormNode" in out[0].grad_fn.name()
+    _same_as_autograd(lambda x, r, w, b: nodes.ag_layer_norm(x, r, w, b, 1e-5),
+                      lambda x, r, w, b: (_ln(x + r, w, b), x + r), [X, R, W, B])
+    out = _same_as_autograd(lambda x, w, b: nodes.ag_pre_layer_norm(x, w, b, 1e-5),
+                            lambda x, w, b: (_ln(x, w, b), x * 1), [X, W, B])
+    assert "PreLayerNormNode" in out[0].grad_fn.name()
+
+
+def test_layer_norm_nodes_with_one_output_used(nodes):
+    x, r = _leaves(X, R)
+    _, s = nodes.ag_layer_norm(x, r, W, B, 1e-5)  # only x + residual used
+    gx, gr = torch.autograd.grad((2 * s).sum(), [x, r])
+    assert torch.equal(gx, torch.full_like(x, 2.0)) and torch.equal(gr, gx)
+    (x,) = _leaves(X)
+    _, xs = nodes.ag_pre_layer_norm(x, W, B, 1e-5)  # only the passed-on input used
+    (gx,) = torch.autograd.grad((3 * xs).sum(), [x])
+    assert torch.equal(gx, torch.full_like(x, 3.0))
+
+
+def test_bias_dropout_residual_node(nodes):
+    out = _same_as_autograd(lambda x, b, r: nodes.ag_bias_dropout_residual(x, b, r, 0.0)[0],
+                            lambda x, b, r: x + b + r, [X, B, R])
+    assert "BiasDropoutResidualNode" in out[0].grad_fn.name()
+    _same_as_autograd(lambda x, r: nodes.ag_bias_dropout_residual(x, None, r, 0.0)[0], lambda x, r: x + r, [X, R])
+    # a frozen bias: no gradient asked for it, the others still right
+    x, r = _leaves(X, R)
+    out, mask = nodes.ag_bias_dropout_residual(x, B, r, 0.0)
+    assert not mask.requires_grad
+    gx, gr = torch.autograd.grad(out.sum(), [x, r])
+    assert torch.equal(gx, torch.ones_like(x)) and torch.equal(gr, torch.ones_like(r))
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_bias_act_dropout_node(nodes, act):
+    f = F.relu if act == "relu" else F.gelu
+    out = _same_as_autograd(lambda x, b: nodes.ag_bias_act_dropout(x, b, act, 0.0)[0], lambda x, b: f(x + b), [X, B])
+    assert "BiasActDropoutNode" in out[0].grad_fn.name()
+    _same_as_autograd(lambda x: nodes.ag_bias_act_dropout(x, None, act, 0.0)[0], f, [X])
+
+
+def _split_ref(x, b, n, heads):
+    y = x + b if b is not None else x
+    bsz, t, width = x.shape
+    return tuple(y.view(bsz, t, n, heads, width // n // heads).permute(2, 0, 3, 1, 4).unbind(0))
+
+
+def test_split_heads_node(nodes):
+    x3 = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(5))
+    b3 = torch.randn(48, generator=torch.Generator().manual_seed(6))
+    out = _same_as_autograd(lambda x, b: nodes.ag_split_heads(x, b, 3, 4), lambda x, b: _split_ref(x, b, 3, 4),
+                            [x3, b3])
+    assert len(out) == 3 and "SplitHeadsNode" in out[0].grad_fn.name()
+    _same_as_autograd(lambda x: nodes.ag_split_heads(x, None, 3, 4), lambda x: _split_ref(x, None, 3, 4), [x3])
+    _same_as_autograd(lambda x, b: nodes.ag_split_heads(x, b, 2, 4), lambda x, b: _split_ref(x, b, 2, 4),
+                      [x3[..., :32], b3[:32]])
+    # k unused: its gradient arrives undefined and counts as zero
+    (x,) = _leaves(x3)
+    q, k, v = nodes.ag_split_heads(x, None, 3, 4)
+    (gx,) = torch.autograd.grad(q.sum() + 2 * v.sum(), [x])
+    want = torch.cat([torch.ones(16), torch.zeros(16), torch.full((16,), 2.0)]).expand(2, 5, -1)
+    assert torch.equal(gx, want)
+    with pytest.raises(Exception, match="n must be 1, 2 or 3"):
+        nodes.ag_split_heads(torch.randn(2, 3, 64), None, 4, 2)
+
+
+def test_linear_node(nodes):
+    w = torch.randn(24, 16, generator=torch.Generator().manual_seed(7))
+    b = torch.randn(24, generator=torch.Generator().manual_seed(8))
+    out = _same_as_autograd(lambda x, w: nodes.ag_linear(x, w), F.linear, [X, w])
+    assert "LinearNode" in out[0].grad_fn.name()
+    _same_as_autograd(lambda x, w, b: nodes.ag_linear(x, w, b), F.linear, [X, w, b])
+    _same_as_autograd(lambda x, w, b: nodes.ag_linear(x, w, b), F.linear, [X[0], w, b])  # 2-d input
+    # frozen input: only the weight's gradient; frozen weight: the input's and the bias's
+    (wl,) = _leaves(w)
+    (gw,) = torch.autograd.grad(nodes.ag_linear(X, wl).sum(), [wl])
+    torch.testing.assert_close(gw, torch.ones(10, 24).t() @ X.reshape(-1, 16))
+    x, bl = _leaves(X, b)
+    gx, gb = torch.autograd.grad(nodes.ag_linear(x, w, bl).sum(), [x, bl])
+    torch.testing.assert_close(gb, torch.full((24,), 10.0))
+    torch.testing.assert_close(gx, torch.ones(2, 5, 24) @ w)
+    with torch.no_grad():
+        assert nodes.ag_linear(X, w, b).grad_fn is None
+    with pytest.raises(Exception, match="does not match weight"):
+        nodes.ag_linear(X, torch.randn(8, 15))
