@@ -140,6 +140,7 @@ def test_linear_node(nodes):
     b = torch.randn(24, generator=torch.Generator().manual_seed(8))
     out = _same_as_autograd(lambda x, w: nodes.ag_linear(x, w), F.linear, [X, w])
     assert "LinearNode" in out[0].grad_fn.name()
+    assert not out[0]._is_view()  # like F.linear's folded product: no view bookkeeping downstream
     _same_as_autograd(lambda x, w, b: nodes.ag_linear(x, w, b), F.linear, [X, w, b])
     _same_as_autograd(lambda x, w, b: nodes.ag_linear(x, w, b), F.linear, [X[0], w, b])  # 2-d input
     # frozen input: only the weight's gradient; frozen weight: the input's and the bias's

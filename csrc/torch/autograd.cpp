@@ -190,7 +190,8 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({x2, weight});
     ctx->saved_data["hb"] = present(bias);
-    return y2.view(sizes);
+    // not a view for autograd (y2 is this node's own buffer), as at::matmul returns its folded product
+    return at::_unsafe_view(y2, sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -203,7 +204,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     if (ctx->needs_input_grad(0)) {
       auto sizes = g.sizes().vec();
       sizes.back() = w.size(1);
-      dx = at::mm(g2, w).view(sizes);
+      dx = at::_unsafe_view(at::mm(g2, w), sizes);
     }
     if (ctx->needs_input_grad(1)) dw = at::mm(g2.t(), x2);
     if (ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2)) db = g2.sum(0);

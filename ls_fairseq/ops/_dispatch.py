@@ -67,14 +67,15 @@ def kernel_module(op: str, *tensors: Optional[torch.Tensor]):
 _HAS_ENTRY = {}  # op -> whether the loaded extension exports its entry point (cleared with the extension)
 
 
-def cpp_nodes(mod):
+def cpp_nodes(mod, linear: bool = False):
     """``mod`` when an op should record its C++ autograd node (ls_fairseq._C.ag_*), else None.
 
     The C++ nodes do the work of the Python autograd.Functions without entering Python after the
     call; they are used in eager mode whenever the extension has them. ``torch.compile`` traces
-    the Python Functions (through the custom ops), and ``LS_FAIRSEQ_CPP_AUTOGRAD=0`` keeps the
-    Python Functions everywhere (to compare the two)."""
-    if mod is None or not _CPP_AUTOGRAD or torch.compiler.is_compiling():
+    the Python Functions (through the custom ops). ``LS_FAIRSEQ_CPP_AUTOGRAD``: ``1`` (default)
+    every node, ``ops`` the op nodes with ``F.linear`` for the projections (``linear=True`` asks
+    for the linear node), ``0`` the Python Functions and ``F.linear`` everywhere (to compare)."""
+    if mod is None or not (_CPP_LINEAR if linear else _CPP_AUTOGRAD) or torch.compiler.is_compiling():
         return None
     has = _HAS_ENTRY.get("cpp_nodes")
     if has is None:
@@ -82,14 +83,19 @@ def cpp_nodes(mod):
     return mod if has else None
 
 
-def _cpp_autograd_setting() -> bool:
+def _cpp_autograd_setting():
+    """(op nodes, linear node) from LS_FAIRSEQ_CPP_AUTOGRAD."""
     value = os.environ.get("LS_FAIRSEQ_CPP_AUTOGRAD", "1").strip().lower()
-    if value not in ("", "0", "1", "false", "true", "no", "yes"):
-        raise ValueError(f"LS_FAIRSEQ_CPP_AUTOGRAD={value!r}: expected 0 or 1")
-    return value not in ("0", "false", "no")
+    if value in ("", "1", "true", "yes"):
+        return True, True
+    if value == "ops":
+        return True, False
+    if value in ("0", "false", "no"):
+        return False, False
+    raise ValueError(f"LS_FAIRSEQ_CPP_AUTOGRAD={value!r}: expected 1, ops or 0")
 
 
-_CPP_AUTOGRAD = _cpp_autograd_setting()
+_CPP_AUTOGRAD, _CPP_LINEAR = _cpp_autograd_setting()
 
 
 def explain(op: str) -> str:

@@ -25,7 +25,7 @@ def _autocast_on() -> bool:
 def linear(x, weight, bias=None):
     if (x.is_cuda and weight.is_cuda and x.dim() >= 2 and x.dtype == weight.dtype
             and (bias is None or (bias.dtype == x.dtype and bias.is_cuda))):
-        nodes = cpp_nodes(_ext.get())
+        nodes = cpp_nodes(_ext.get(), linear=True)
         if nodes is not None and not _autocast_on():
             return nodes.ag_linear(x, weight, bias)
     return F.linear(x, weight, bias)
