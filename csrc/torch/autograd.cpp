@@ -35,6 +35,24 @@ inline Tensor as_dtype(const Tensor& t, int64_t dt) {
 inline int64_t dtype_code(const Tensor& t) { return static_cast<int64_t>(t.defined() ? t.scalar_type() : at::kFloat); }
 inline int64_t dtype_code(const OptTensor& t) { return dtype_code(or_undefined(t)); }
 
+// The optional bias at argument 1 (the dropout nodes and the head split): whether it is there, and its dtype.
+inline void keep_bias_info(AutogradContext* ctx, const OptTensor& bias) {
+  ctx->saved_data["hb"] = present(bias);
+  ctx->saved_data["bdt"] = dtype_code(bias);
+}
+inline bool bias_grad_needed(AutogradContext* ctx) {
+  return ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(1);
+}
+inline Tensor bias_grad(AutogradContext* ctx, const Tensor& db, bool needed) {
+  return needed ? as_dtype(db, ctx->saved_data["bdt"].toInt()) : Tensor();
+}
+// What the two dropout nodes keep besides their tensors; their mask output has no gradient.
+inline void keep_dropout_info(AutogradContext* ctx, double p, const OptTensor& bias, const Tensor& mask) {
+  ctx->saved_data["p"] = p;
+  keep_bias_info(ctx, bias);
+  ctx->mark_non_differentiable({mask});
+}
+
 // layer_norm(x) -> [y]; with a residual: layer_norm(x + residual), x + residual -> [y, s]
 struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual,
@@ -92,10 +110,7 @@ struct BiasDropoutResidualNode : public torch::autograd::Function<BiasDropoutRes
     auto r = bias_dropout_residual_fwd(contig(x), bias, contig(residual), p);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({r[1]});
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["hb"] = present(bias);
-    ctx->saved_data["bdt"] = dtype_code(bias);
-    ctx->mark_non_differentiable({r[1]});
+    keep_dropout_info(ctx, p, bias, r[1]);
     return {r[0], r[1]};
   }
 
@@ -103,12 +118,11 @@ struct BiasDropoutResidualNode : public torch::autograd::Function<BiasDropoutRes
     const Tensor& g = grads[0];
     if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const double p = ctx->saved_data["p"].toDouble();
-    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(1);
+    const bool need_db = bias_grad_needed(ctx);
     auto s = ctx->get_saved_variables();
-    Tensor gc = contig(g);
-    auto r = bias_act_dropout_bwd(gc, std::nullopt, std::nullopt, std::nullopt, p > 0 ? OptTensor(s[0]) : std::nullopt,
-                                  p, "none", need_db);
-    return {r[0], need_db ? as_dtype(r[1], ctx->saved_data["bdt"].toInt()) : Tensor(), g, Tensor()};
+    auto r = bias_act_dropout_bwd(contig(g), std::nullopt, std::nullopt, std::nullopt,
+                                  p > 0 ? OptTensor(s[0]) : std::nullopt, p, "none", need_db);
+    return {r[0], bias_grad(ctx, r[1], need_db), g, Tensor()};
   }
 };
 
@@ -125,10 +139,7 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
     else
       ctx->save_for_backward({xc, or_undefined(bias), r[1]});
     ctx->saved_data["act"] = activation;
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["hb"] = present(bias);
-    ctx->saved_data["bdt"] = dtype_code(bias);
-    ctx->mark_non_differentiable({r[1]});
+    keep_dropout_info(ctx, p, bias, r[1]);
     return {r[0], r[1]};
   }
 
@@ -137,7 +148,7 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
     if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const std::string act = ctx->saved_data["act"].toStringRef();
     const double p = ctx->saved_data["p"].toDouble();
-    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(1);
+    const bool need_db = bias_grad_needed(ctx);
     auto s = ctx->get_saved_variables();
     std::vector<Tensor> r;
     if (act == "relu") {
@@ -146,7 +157,7 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
       r = bias_act_dropout_bwd(contig(g), s[0], opt(s[1]), std::nullopt, p > 0 ? OptTensor(s[2]) : std::nullopt, p,
                                act, need_db);
     }
-    return {r[0], need_db ? as_dtype(r[1], ctx->saved_data["bdt"].toInt()) : Tensor(), Tensor(), Tensor()};
+    return {r[0], bias_grad(ctx, r[1], need_db), Tensor(), Tensor()};
   }
 };
 
@@ -157,8 +168,7 @@ struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
     Tensor out = qkv_split_fwd(contig(x), bias, n, num_heads, true);
     ctx->set_materialize_grads(false);
     ctx->saved_data["n"] = n;
-    ctx->saved_data["hb"] = present(bias);
-    ctx->saved_data["bdt"] = dtype_code(bias);
+    keep_bias_info(ctx, bias);
     return out.unbind(0);
   }
 
@@ -171,9 +181,9 @@ struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
       any = any || d[i].has_value();
     }
     if (!any) return {Tensor(), Tensor(), Tensor(), Tensor()};
-    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(1);
+    const bool need_db = bias_grad_needed(ctx);
     auto r = qkv_split_bwd(d[0], d[1], d[2], n, need_db);
-    return {r[0], need_db ? as_dtype(r[1], ctx->saved_data["bdt"].toInt()) : Tensor(), Tensor(), Tensor()};
+    return {r[0], bias_grad(ctx, r[1], need_db), Tensor(), Tensor()};
   }
 };
 
