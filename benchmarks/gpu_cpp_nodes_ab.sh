@@ -2,15 +2,16 @@
 # One call on a 2-GPU machine: what the C++ autograd nodes (csrc/torch/autograd.cpp) save in host time,
 # then the 2-GPU scaling of the current default.
 #   1. PROBES (default 2) alternations of benchmarks/host_probe.py on GPU 0 (t2t, 8192 tokens, 16 batches)
-#      with LS_FAIRSEQ_CPP_AUTOGRAD=1 (the default) and =0 (the Python autograd.Functions and F.linear):
-#      host and GPU ms of the forward, backward and optimizer step, each started on an idle GPU, so the
-#      host ms are the host's own work. Lines "cpp=1 PHASE ..." / "cpp=0 PHASE ..." in probes.txt.
+#      over the LS_FAIRSEQ_CPP_AUTOGRAD values in SETTINGS (default "1 0"; "1 ops 0" adds the op nodes with
+#      F.linear): 1 = every C++ node (the default), 0 = the Python autograd.Functions and F.linear. Host and
+#      GPU ms of the forward, backward and optimizer step, each started on an idle GPU, so the host ms are
+#      the host's own work. Lines "cpp=1 PHASE ..." / "cpp=0 PHASE ..." in probes.txt.
 #   2. ROUNDS (default 2) rounds of benchmarks/gpu_scaling_rounds.sh with VARIANTS (default "default=-").
 # Everything under $OUT; summary.txt collects both.
 cd "$(dirname "$0")/.."
 source benchmarks/multi_gpu_common.sh
 for k in $(seq 1 "${PROBES:-2}"); do
-  for v in 1 0; do
+  for v in ${SETTINGS:-1 0}; do
     LS_FAIRSEQ_CPP_AUTOGRAD=$v CUDA_VISIBLE_DEVICES=0 python benchmarks/host_probe.py "${COMMON[@]}" --batches 16 \
       --skip-cprofile > "$OUT/probe${k}_cpp$v.log" 2>&1
     grep -E "^(STEP|PHASE)" "$OUT/probe${k}_cpp$v.log" | sed "s/^/cpp=$v /" | tee -a "$OUT/probes.txt"
