@@ -1,0 +1,139 @@
+"""Host time of a transformer-big-shaped forward and backward on the CPU: C++ autograd nodes against the
+Python autograd.Functions, no GPU needed.
+
+The model has the layer count and the op sequence of ls_transformer_wmt_en_de_big_t2t (6 + 6 layers, pre-LN)
+with tiny widths, so that the time is mostly host work: Python, autograd, the dispatcher. The ops take their
+"kernel" paths (C++ nodes, or the Python Functions calling the adapters), here over the ATen CPU stand-ins of
+the CUDA adapters in tests/cpp (the same stand-ins tests/test_cpp_nodes.py builds). Attention takes torch's
+reference on the CPU in every variant. Three variants, ROUNDS times in turn:
+
+  cpp=1    every C++ node (LS_FAIRSEQ_CPP_AUTOGRAD=1, the default on the GPU)
+  cpp=ops  the op nodes, F.linear for the projections
+  cpp=0    the Python Functions and F.linear
+
+    python benchmarks/cpu_nodes_host_overhead.py [ROUNDS]     (builds the module first: about a minute)
+
+It measures host overhead only: kernel launches, the CUDA caching allocator and GPU work are not in it.
+"""
+
+import collections
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BINDINGS = r"""
+#include <torch/extension.h>
+#include "torch/ops.h"
+namespace py = pybind11;
+using namespace ls_torch;
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto none = py::none();
+  m.def("ag_layer_norm", &ag_layer_norm, py::arg("x"), py::arg("residual") = none, py::arg("weight"),
+        py::arg("bias"), py::arg("eps"));
+  m.def("ag_pre_layer_norm", &ag_pre_layer_norm);
+  m.def("ag_bias_dropout_residual", &ag_bias_dropout_residual, py::arg("x"), py::arg("bias") = none,
+        py::arg("residual"), py::arg("p"));
+  m.def("ag_bias_act_dropout", &ag_bias_act_dropout, py::arg("x"), py::arg("bias") = none,
+        py::arg("activation"), py::arg("p"));
+  m.def("ag_split_heads", &ag_split_heads, py::arg("x"), py::arg("bias") = none, py::arg("n"),
+        py::arg("num_heads"));
+  m.def("ag_linear", &ag_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = none);
+  m.def("layer_norm_fwd", &layer_norm_fwd);
+  m.def("layer_norm_bwd", &layer_norm_bwd);
+  m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd);
+  m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd);
+  m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd);
+  m.def("qkv_split_fwd", &qkv_split_fwd);
+  m.def("qkv_split_bwd", &qkv_split_bwd);
+}
+"""
+
+
+def build_module():
+    from torch.utils import cpp_extension
+
+    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
+
+    os.environ.update(host_compiler_env())
+    work = tempfile.mkdtemp(prefix="ls_nodes_bench_")
+    src = os.path.join(work, "bindings.cpp")
+    with open(src, "w") as f:
+        f.write(BINDINGS)
+    return cpp_extension.load(
+        name="ls_fairseq_nodes_bench",
+        sources=[os.path.join(ROOT, "tests", "cpp", "stand_in_adapters.cpp"), src,
+                 os.path.join(ROOT, "csrc", "torch", "autograd.cpp")],
+        extra_include_paths=[os.path.join(ROOT, "csrc")], extra_cflags=cxx_flags(), build_directory=work)
+
+
+def use_module(mod):
+    """The ops take their kernel paths on CPU tensors, over ``mod``."""
+    import torch.nn.functional as F
+
+    import ls_fairseq.ops as ops
+    from ls_fairseq import _ext
+    from ls_fairseq.ops import _dispatch
+
+    _ext._state.update(tried=True, module=mod, reason=None, source="stand-ins")
+
+    def kernel_module(op, *tensors):
+        entry = _dispatch.KERNEL_ENTRY.get(op)
+        return mod if entry is not None and hasattr(mod, entry) else None
+
+    for name, m in list(sys.modules.items()):
+        if name.startswith("ls_fairseq.ops") and m is not None and hasattr(m, "kernel_module"):
+            m.kernel_module = kernel_module
+
+    def linear(x, weight, bias=None):  # ops.linear without its CUDA condition
+        nodes = _dispatch.cpp_nodes(mod, linear=True)
+        return nodes.ag_linear(x, weight, bias) if nodes is not None else F.linear(x, weight, bias)
+
+    ops.linear = linear
+
+
+def main():
+    import torch
+
+    from ls_fairseq.ops import _dispatch
+    from tests._models import build_model, make_dict, random_batch
+
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    use_module(build_module())
+    torch.set_num_threads(1)
+    d = make_dict(50)
+    model = build_model("ls_transformer_wmt_en_de_big_t2t", d, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, share_all_embeddings=True, encoder_embed_dim=16,
+                        decoder_embed_dim=16, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
+                        encoder_attention_heads=2, decoder_attention_heads=2)
+    model.train()
+    src, lengths, prev, _ = random_batch(d, B=2, S=6, T=5)
+
+    def measure(n=40, warm=5):
+        fwd = bwd = 0.0
+        for i in range(n + warm):
+            t0 = time.perf_counter()
+            out = model(src, lengths, prev)[0]
+            t1 = time.perf_counter()
+            out.float().sum().backward()
+            t2 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if i >= warm:
+                fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
+        return fwd / n * 1e3, bwd / n * 1e3
+
+    variants = {"1": (True, True), "ops": (True, False), "0": (False, False)}
+    res = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, (op_nodes, linear_node) in variants.items():
+            _dispatch._CPP_AUTOGRAD, _dispatch._CPP_LINEAR = op_nodes, linear_node
+            res[name].append(measure())
+    for name, runs in res.items():
+        print(f"cpp={name:3s} host ms, forward / backward: " + ", ".join(f"{f:.2f} / {b:.2f}" for f, b in runs))
+
+
+if __name__ == "__main__":
+    main()
