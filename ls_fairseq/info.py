@@ -76,6 +76,9 @@ def report() -> str:
     lines += _extension_lines()
     lines.append("ops (path on CUDA tensors; CPU tensors always run the PyTorch reference):")
     lines += _op_lines()
+    from ls_fairseq.ops import _dispatch
+
+    lines.append(f"autograd (eager, CUDA tensors): {_dispatch.explain_autograd()}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,22 @@ def test_report_names_versions_extension_and_every_op():
         matching = [line for line in lines if line.split()[:1] == [op]]
         assert len(matching) == 1, op
         assert _dispatch.explain(op) in matching[0]
+    assert f"autograd (eager, CUDA tensors): {_dispatch.explain_autograd()}" in lines
+
+
+def test_explain_autograd_follows_the_setting(monkeypatch):
+    class WithNodes:
+        ag_linear = None
+
+    monkeypatch.setattr(_ext, "get", lambda: WithNodes)
+    for flags, word in (((True, True), "=1"), ((True, False), "=ops"), ((False, False), "=0")):
+        monkeypatch.setattr(_dispatch, "_CPP_AUTOGRAD", flags[0])
+        monkeypatch.setattr(_dispatch, "_CPP_LINEAR", flags[1])
+        assert _dispatch.explain_autograd().endswith(f"(LS_FAIRSEQ_CPP_AUTOGRAD{word})")
+    monkeypatch.setattr(_ext, "get", lambda: object())
+    assert "no C++ nodes" in _dispatch.explain_autograd()
+    monkeypatch.setattr(_ext, "get", lambda: None)
+    assert "unavailable" in _dispatch.explain_autograd()
 
 
 def test_report_on_this_machine_says_why_kernels_are_off():

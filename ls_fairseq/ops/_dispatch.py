@@ -83,6 +83,20 @@ def cpp_nodes(mod, linear: bool = False):
     return mod if has else None
 
 
+def explain_autograd() -> str:
+    """One line: which autograd nodes the fused ops and the projections record in eager mode on CUDA."""
+    mod = _ext.get()
+    if mod is None:
+        return "PyTorch reference ops (extension unavailable)"
+    if not hasattr(mod, "ag_linear"):
+        return "Python autograd.Functions and F.linear (this extension build has no C++ nodes)"
+    if _CPP_AUTOGRAD and _CPP_LINEAR:
+        return "C++ nodes for the fused ops and the projections (LS_FAIRSEQ_CPP_AUTOGRAD=1)"
+    if _CPP_AUTOGRAD:
+        return "C++ nodes for the fused ops, F.linear for the projections (LS_FAIRSEQ_CPP_AUTOGRAD=ops)"
+    return "Python autograd.Functions and F.linear (LS_FAIRSEQ_CPP_AUTOGRAD=0)"
+
+
 def _cpp_autograd_setting():
     """(op nodes, linear node) from LS_FAIRSEQ_CPP_AUTOGRAD."""
     value = os.environ.get("LS_FAIRSEQ_CPP_AUTOGRAD", "1").strip().lower()
