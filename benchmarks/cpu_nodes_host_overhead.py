@@ -25,34 +25,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-BINDINGS = r"""
-#include <torch/extension.h>
-#include "torch/ops.h"
-namespace py = pybind11;
-using namespace ls_torch;
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto none = py::none();
-  m.def("ag_layer_norm", &ag_layer_norm, py::arg("x"), py::arg("residual") = none, py::arg("weight"),
-        py::arg("bias"), py::arg("eps"));
-  m.def("ag_pre_layer_norm", &ag_pre_layer_norm);
-  m.def("ag_bias_dropout_residual", &ag_bias_dropout_residual, py::arg("x"), py::arg("bias") = none,
-        py::arg("residual"), py::arg("p"));
-  m.def("ag_bias_act_dropout", &ag_bias_act_dropout, py::arg("x"), py::arg("bias") = none,
-        py::arg("activation"), py::arg("p"));
-  m.def("ag_split_heads", &ag_split_heads, py::arg("x"), py::arg("bias") = none, py::arg("n"),
-        py::arg("num_heads"));
-  m.def("ag_linear", &ag_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = none);
-  m.def("layer_norm_fwd", &layer_norm_fwd);
-  m.def("layer_norm_bwd", &layer_norm_bwd);
-  m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd);
-  m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd);
-  m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd);
-  m.def("qkv_split_fwd", &qkv_split_fwd);
-  m.def("qkv_split_bwd", &qkv_split_bwd);
-}
-"""
-
-
 def build_module():
     from torch.utils import cpp_extension
 
@@ -60,12 +32,10 @@ def build_module():
 
     os.environ.update(host_compiler_env())
     work = tempfile.mkdtemp(prefix="ls_nodes_bench_")
-    src = os.path.join(work, "bindings.cpp")
-    with open(src, "w") as f:
-        f.write(BINDINGS)
-    return cpp_extension.load(
+    return cpp_extension.load(  # the module tests/test_cpp_nodes.py builds, with the compiler optimising
         name="ls_fairseq_nodes_bench",
-        sources=[os.path.join(ROOT, "tests", "cpp", "stand_in_adapters.cpp"), src,
+        sources=[os.path.join(ROOT, "tests", "cpp", "stand_in_adapters.cpp"),
+                 os.path.join(ROOT, "tests", "cpp", "nodes_module.cpp"),
                  os.path.join(ROOT, "csrc", "torch", "autograd.cpp")],
         extra_include_paths=[os.path.join(ROOT, "csrc")], extra_cflags=cxx_flags(), build_directory=work)
 

@@ -1,5 +1,7 @@
-// The autograd nodes of csrc/torch/autograd.cpp over the stand-in adapters, as a module for
-// tests/test_cpp_nodes.py. Errors become Python exceptions through pybind11's default translation.
+// The autograd nodes of csrc/torch/autograd.cpp over the stand-in adapters, and the stand-ins themselves
+// under the adapters' names, as a module for tests/test_cpp_nodes.py and benchmarks/cpu_nodes_host_overhead.py
+// (whose Python autograd.Functions call the adapters). Errors become Python exceptions through pybind11's
+// default translation.
 #include <torch/extension.h>
 
 #include "torch/ops.h"
@@ -19,4 +21,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_split_heads", &ag_split_heads, py::arg("x"), py::arg("bias") = none, py::arg("n"),
         py::arg("num_heads"));
   m.def("ag_linear", &ag_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = none);
+  m.def("layer_norm_fwd", &layer_norm_fwd);
+  m.def("layer_norm_bwd", &layer_norm_bwd);
+  m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd);
+  m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd);
+  m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd);
+  m.def("qkv_split_fwd", &qkv_split_fwd);
+  m.def("qkv_split_bwd", &qkv_split_bwd);
 }
