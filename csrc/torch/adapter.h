@@ -77,22 +77,17 @@ inline int checked_int(const char* op, const char* what, int64_t v) {
 template <typename F>
 inline void launch(const char* op, F&& f) {
   std::string err;
-  // Called from Python the GIL is held and released here; called from an autograd node's backward
-  // (the engine's thread, autograd.cpp) it is not held and there is nothing to release.
-  if (PyGILState_Check()) {
-    pybind11::gil_scoped_release nogil;
+  {
+    // Called from Python the GIL is held and released here; called from an autograd node's backward
+    // (the engine's thread, autograd.cpp) it is not held and there is nothing to release.
+    std::optional<pybind11::gil_scoped_release> nogil;
+    if (PyGILState_Check()) nogil.emplace();
     try {
       f();
     } catch (const std::runtime_error& e) {
       err = e.what();
     }
-  } else {
-    try {
-      f();
-    } catch (const std::runtime_error& e) {
-      err = e.what();
-    }
-  }
+  }  // the GIL is held again from here
   if (!err.empty()) throw std::runtime_error(detail::concat(op, ": ", err));
 }
 

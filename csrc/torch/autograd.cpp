@@ -6,9 +6,9 @@
 // adapters they call (layer_norm.cpp, dropout.cpp, heads.cpp) and of at::mm / at::addmm; the Python
 // Functions in ls_fairseq/ops stay for torch.compile, which traces them through the custom ops.
 //
-// Conventions: an optional tensor argument is a std::optional<Tensor>: when absent it is not an input of
-// the node at all (an undefined at::Tensor would be, and the node records the device of every input), so
-// it has no edge, and needs_input_grad() indices count only the tensors present. backward returns one
+// Conventions: an optional tensor argument is a std::optional<Tensor>: when empty (or holding an undefined
+// tensor) it is not an input of the node at all (an undefined at::Tensor would be, and the node records the
+// device of every input), so it has no edge, and needs_input_grad() indices count only the tensors present. backward returns one
 // entry per forward argument, undefined for the absent and the non-tensor ones. Gradients that are not
 // needed arrive undefined (set_materialize_grads(false)); parameter gradients are returned in the
 // parameter's dtype.
@@ -46,6 +46,21 @@ inline bool bias_grad_needed(AutogradContext* ctx) {
 inline Tensor bias_grad(AutogradContext* ctx, const Tensor& db, bool needed) {
   return needed ? as_dtype(db, ctx->saved_data["bdt"].toInt()) : Tensor();
 }
+// The two layer-norm nodes: the forward keeps the normalised input, the weight, mean and rstd (r[2], r[3]
+// of layer_norm_fwd) and the bias dtype; the backward turns them into {dx, dweight, dbias}, dx including
+// gsum (the gradient that reached the normalised input by another way), parameter gradients in their dtypes.
+inline void keep_layer_norm(AutogradContext* ctx, const Tensor& input, const Tensor& weight, const Tensor& bias,
+                            const std::vector<Tensor>& r) {
+  ctx->set_materialize_grads(false);
+  ctx->save_for_backward({input, weight, r[2], r[3]});
+  ctx->saved_data["bdt"] = dtype_code(bias);
+}
+inline std::vector<Tensor> layer_norm_grads(AutogradContext* ctx, const Tensor& gy, const Tensor& gsum) {
+  auto s = ctx->get_saved_variables();
+  auto r = layer_norm_bwd(contig(gy), opt_contig(gsum), s[0], s[1], s[2], s[3]);
+  return {r[0], as_dtype(r[1], dtype_code(s[1])), as_dtype(r[2], ctx->saved_data["bdt"].toInt())};
+}
+
 // What the two dropout nodes keep besides their tensors; their mask output has no gradient.
 inline void keep_dropout_info(AutogradContext* ctx, double p, const OptTensor& bias, const Tensor& mask) {
   ctx->saved_data["p"] = p;
@@ -60,10 +75,8 @@ struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
     const bool has_res = present(residual);
     Tensor xc = contig(x);
     auto r = layer_norm_fwd(xc, opt_contig(residual), weight, bias, eps);
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({has_res ? r[1] : xc, weight, r[2], r[3]});
+    keep_layer_norm(ctx, has_res ? r[1] : xc, weight, bias, r);
     ctx->saved_data["res"] = has_res;
-    ctx->saved_data["bdt"] = dtype_code(bias);
     if (has_res) return {r[0], r[1]};
     return {r[0]};
   }
@@ -74,10 +87,8 @@ struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
     if (!grads[0].defined()) {  // only x + residual was used
       return {gs, has_res ? gs : Tensor(), Tensor(), Tensor(), Tensor()};
     }
-    auto s = ctx->get_saved_variables();
-    auto r = layer_norm_bwd(contig(grads[0]), opt_contig(gs), s[0], s[1], s[2], s[3]);
-    Tensor dg = as_dtype(r[1], dtype_code(s[1])), db = as_dtype(r[2], ctx->saved_data["bdt"].toInt());
-    return {r[0], has_res ? r[0] : Tensor(), dg, db, Tensor()};
+    auto d = layer_norm_grads(ctx, grads[0], gs);
+    return {d[0], has_res ? d[0] : Tensor(), d[1], d[2], Tensor()};
   }
 };
 
@@ -88,18 +99,15 @@ struct PreLayerNormNode : public torch::autograd::Function<PreLayerNormNode> {
                                double eps) {
     Tensor xc = contig(x);
     auto r = layer_norm_fwd(xc, std::nullopt, weight, bias, eps);
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({xc, weight, r[2], r[3]});
-    ctx->saved_data["bdt"] = dtype_code(bias);
+    keep_layer_norm(ctx, xc, weight, bias, r);
     return {r[0], x.view_as(x)};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor gx = grads.size() > 1 ? grads[1] : Tensor();
     if (!grads[0].defined()) return {gx, Tensor(), Tensor(), Tensor()};
-    auto s = ctx->get_saved_variables();
-    auto r = layer_norm_bwd(contig(grads[0]), opt_contig(gx), s[0], s[1], s[2], s[3]);
-    return {r[0], as_dtype(r[1], dtype_code(s[1])), as_dtype(r[2], ctx->saved_data["bdt"].toInt()), Tensor()};
+    auto d = layer_norm_grads(ctx, grads[0], gx);
+    return {d[0], d[1], d[2], Tensor()};
   }
 };
 
@@ -226,7 +234,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
 
 variable_list ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
                             double eps) {
-  return LayerNormNode::apply(x, present(residual) ? residual : OptTensor(), weight, bias, eps);
+  return LayerNormNode::apply(x, residual, weight, bias, eps);
 }
 
 variable_list ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
@@ -234,16 +242,16 @@ variable_list ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Ten
 }
 
 variable_list ag_bias_dropout_residual(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p) {
-  return BiasDropoutResidualNode::apply(x, present(bias) ? bias : OptTensor(), residual, p);
+  return BiasDropoutResidualNode::apply(x, bias, residual, p);
 }
 
 variable_list ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const std::string& activation, double p) {
-  return BiasActDropoutNode::apply(x, present(bias) ? bias : OptTensor(), activation, p);
+  return BiasActDropoutNode::apply(x, bias, activation, p);
 }
 
 variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads) {
   LS_CHECK(n >= 1 && n <= 3, "split_heads: n must be 1, 2 or 3, got ", n);
-  return SplitHeadsNode::apply(x, present(bias) ? bias : OptTensor(), n, num_heads);
+  return SplitHeadsNode::apply(x, bias, n, num_heads);
 }
 
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
@@ -257,7 +265,7 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
     LS_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(), op,
              ": bias must be [", weight.size(0), "] of ", x.scalar_type(), ", got ", bias->sizes(), " of ",
              bias->scalar_type());
-  return LinearNode::apply(x, weight, present(bias) ? bias : OptTensor());
+  return LinearNode::apply(x, weight, bias);
 }
 
 }  // namespace ls_torch
