@@ -127,14 +127,10 @@ def apply(local_rank: int, local_world: int, cpu_count: Optional[int] = None) ->
 
 def _ranges(cpus: Sequence[int]) -> str:
     """[0, 1, 2, 3, 8, 10, 11] -> '0-3,8,10-11'"""
-    out, run = [], []
+    runs = []  # [first, last] of each run of consecutive CPUs
     for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
