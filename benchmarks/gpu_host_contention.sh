@@ -45,9 +45,6 @@ python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"
   cat "$OUT/machine.txt"
   [[ ${#pairs[@]} -gt 0 && -f "$OUT/a_1gpu_alone.log" ]] && python benchmarks/scaling_pairs.py "${AFTER:-60}" "${pairs[@]}"
   intervals "$OUT"/[a-g]_*.log
-  for f in "$OUT"/[a-g]_*.log; do
-    grep -h "step timing\|host ms per update" "$f" \
-      | sed -E -e "s/^.*(rank [0-9]+ (step timing|host ms per update))/$(basename "$f" .log) \1/"
-  done
+  timing_lines "$OUT"/[a-g]_*.log
 } > "$OUT/summary.txt" 2>&1
 cat "$OUT/summary.txt"

@@ -46,11 +46,7 @@ ratios() {
 for name in "${names[@]}"; do ratios "${name} vs 1 GPU --update-freq 2" "r@a_1gpu_uf2" "r@b_${name}"; done
 for name in "${names[@]:1}"; do ratios "${name} vs ${names[0]}" "r@b_${names[0]}" "r@b_${name}"; done
 intervals "$OUT"/r*.log | tee -a "$OUT/pairs.txt"
-# with LS_FAIRSEQ_STEP_TIMING=1 exported: every rank's timing line (GPU ms, medians), named by its run
-for f in "$OUT"/r*.log; do
-  grep -h "step timing\|host ms per update" "$f" \
-    | sed -E -e "s/^.*(rank [0-9]+ (step timing|host ms per update))/$(basename "$f" .log) \1/"
-done | tee -a "$OUT/pairs.txt"
+timing_lines "$OUT"/r*.log | tee -a "$OUT/pairs.txt"
 if [[ -n "${PACK_TO:-}" ]]; then
   mkdir -p "$PACK_TO" && tar czf "$PACK_TO/logs.tgz" -C "$OUT" . && cp "$OUT/pairs.txt" "$PACK_TO/"
 fi

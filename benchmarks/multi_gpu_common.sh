@@ -23,5 +23,13 @@ intervals() {
   local f
   for f in "$@"; do echo "$(basename "$f") $(grep train_inner "$f" | grep -o 'wps=[0-9]*' | tr '\n' ' ')"; done
 }
+# with LS_FAIRSEQ_STEP_TIMING=1: every rank's timing lines (GPU ms, host ms; medians), named by their log
+timing_lines() {
+  local f
+  for f in "$@"; do
+    grep -h "step timing\|host ms per update" "$f" \
+      | sed -E -e "s/^.*(rank [0-9]+ (step timing|host ms per update))/$(basename "$f" .log) \1/"
+  done
+}
 # how fast the host and GPUs are right now (MACHINE_CHECK=0 skips it): the lent machines vary a lot
 if [[ "${MACHINE_CHECK:-1}" == 1 ]]; then python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"; fi
