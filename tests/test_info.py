@@ -31,11 +31,14 @@ def test_explain_autograd_follows_the_setting(monkeypatch):
     class WithNodes:
         ag_linear = None
 
+    # each swap of the module starts with an empty cache of what it exports, as _ext.reset_for_tests() leaves it
+    monkeypatch.setattr(_dispatch, "_HAS_ENTRY", {})
     monkeypatch.setattr(_ext, "get", lambda: WithNodes)
     for flags, word in (((True, True), "=1"), ((True, False), "=ops"), ((False, False), "=0")):
         monkeypatch.setattr(_dispatch, "_CPP_AUTOGRAD", flags[0])
         monkeypatch.setattr(_dispatch, "_CPP_LINEAR", flags[1])
         assert _dispatch.explain_autograd().endswith(f"(LS_FAIRSEQ_CPP_AUTOGRAD{word})")
+    monkeypatch.setattr(_dispatch, "_HAS_ENTRY", {})
     monkeypatch.setattr(_ext, "get", lambda: object())
     assert "no C++ nodes" in _dispatch.explain_autograd()
     monkeypatch.setattr(_ext, "get", lambda: None)

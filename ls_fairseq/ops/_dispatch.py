@@ -77,10 +77,15 @@ def cpp_nodes(mod, linear: bool = False):
     for the linear node), ``0`` the Python Functions and ``F.linear`` everywhere (to compare)."""
     if mod is None or not (_CPP_LINEAR if linear else _CPP_AUTOGRAD) or torch.compiler.is_compiling():
         return None
+    return mod if _has_nodes(mod) else None
+
+
+def _has_nodes(mod) -> bool:
+    """Whether the loaded extension ``mod`` was built with the C++ nodes (remembered with the entries)."""
     has = _HAS_ENTRY.get("cpp_nodes")
     if has is None:
         has = _HAS_ENTRY["cpp_nodes"] = hasattr(mod, "ag_linear")
-    return mod if has else None
+    return has
 
 
 def explain_autograd() -> str:
@@ -88,7 +93,7 @@ def explain_autograd() -> str:
     mod = _ext.get()
     if mod is None:
         return "PyTorch reference ops (extension unavailable)"
-    if not hasattr(mod, "ag_linear"):
+    if not _has_nodes(mod):
         return "Python autograd.Functions and F.linear (this extension build has no C++ nodes)"
     if _CPP_AUTOGRAD and _CPP_LINEAR:
         return "C++ nodes for the fused ops and the projections (LS_FAIRSEQ_CPP_AUTOGRAD=1)"
