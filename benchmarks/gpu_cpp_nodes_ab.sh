@@ -13,7 +13,7 @@ source benchmarks/multi_gpu_common.sh
 for k in $(seq 1 "${PROBES:-2}"); do
   for v in ${SETTINGS:-1 0}; do
     LS_FAIRSEQ_CPP_AUTOGRAD=$v CUDA_VISIBLE_DEVICES=0 python benchmarks/host_probe.py "${COMMON[@]}" --batches 16 \
-      --skip-cprofile > "$OUT/probe${k}_cpp$v.log" 2>&1
+      --skip-cprofile ${PROBE_FLAGS:-} > "$OUT/probe${k}_cpp$v.log" 2>&1
     grep -E "^(STEP|PHASE)" "$OUT/probe${k}_cpp$v.log" | sed "s/^/cpp=$v /" | tee -a "$OUT/probes.txt"
   done
 done

@@ -8,10 +8,14 @@ warms up on them, then reports for the steady state:
           of forward, backward and optimizer step, each measured after a synchronize: where
           host ms is close to GPU ms, the phase is host-bound;
 * SYNC    host<->device synchronisations inside one train_step and where they come from;
+* TPROF   with --torch-profile: torch.profiler (CPU side only) over the forwards of the batches:
+          host ms per forward and the ops with the most own host time, with their call counts
+          per forward (so two autograd settings can be compared op by op);
 * CPROF   the Python functions with the most own time over the batches (backward runs on the
           calling thread here so its Python shows up).
 
     python benchmarks/host_probe.py DATA --arch ... [fairseq-train flags] [--batches 12] [--skip-cprofile]
+        [--torch-profile]
 """
 
 import cProfile
@@ -33,6 +37,7 @@ def main():
     argv = sys.argv[1:]
     n_batches = pop_option(argv, "--batches", 12, int)
     skip_cprofile = pop_flag(argv, "--skip-cprofile")
+    torch_profile = pop_flag(argv, "--torch-profile")
     import torch
     from fairseq.trainer import Trainer
 
@@ -123,6 +128,8 @@ def main():
         print(f"SYNC {v:4d}  {k}")
     sys.stdout.flush()
 
+    if torch_profile:
+        forward_profile(trainer, criterion, batches, sync)
     if skip_cprofile:
         return
     torch.autograd.set_multithreading_enabled(False)
@@ -140,6 +147,28 @@ def main():
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(80)
     print("CPROF cumtime\n" + s.getvalue()[-20000:])
+
+
+def forward_profile(trainer, criterion, batches, sync):
+    """TPROF lines: the host side of the forwards, op by op (self CPU time and calls per forward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    samples = [trainer._prepare_sample(b)[0] for b in batches]
+    trainer.model.train()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for sample in samples:
+            loss, _, _ = criterion(trainer.model, sample)
+            del loss
+            sync()
+    n = len(samples)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events) / 1e3 / n
+    print(f"TPROF forward self-CPU ms per forward (profiled, so inflated): {total:.2f}", flush=True)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    for e in events[:45]:
+        print(f"TPROF {e.self_cpu_time_total / 1e3 / n:8.3f} ms {e.count / n:7.1f} calls  {e.key[:90]}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
