@@ -1,14 +1,8 @@
 """ls_adam's gradient all-reduce overlapped with the backward pass (ls_fairseq.optim.overlap): the bucket
 plan, and two gloo processes on the CPU that train one replica with the overlapped reduction and one with
-the synchronous reduction after the backward, which must agree bit for bit. Both kinds of hooks are run:
-the Python post-accumulate-grad hooks, and the C++ counter of csrc/torch/grad_ready.cpp, built here on the
-CPU as a module of its own (the extension ls_fairseq._C carries the same file on GPU machines)."""
+the synchronous reduction after the backward, which must agree bit for bit."""
 
 import datetime
-import importlib
-import os
-import shutil
-import sys
 
 import pytest
 import torch
@@ -18,63 +12,6 @@ from ls_fairseq.optim.overlap import bucket_order, plan_buckets
 from ls_fairseq.optim.workspace import FlatWorkspace
 
 from _models import save_rank_result, two_rank_results
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_MODULE = "ls_fairseq_grad_ready_test"
-# where a two-rank worker finds the built module (set by the test that wants the C++ hooks)
-_DIR_ENV = "LS_FAIRSEQ_TEST_GRAD_READY_DIR"
-
-
-@pytest.fixture(scope="module")
-def grad_ready_dir(tmp_path_factory):
-    """Build csrc/torch/grad_ready.cpp as a module of its own; its folder."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler to build the C++ hooks with")
-    from torch.utils import cpp_extension
-
-    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
-
-    os.environ.update(host_compiler_env())
-    build = str(tmp_path_factory.mktemp("grad_ready_build"))
-    cpp_extension.load(
-        name=_MODULE,
-        sources=[os.path.join(ROOT, "tests", "cpp", "grad_ready_module.cpp"),
-                 os.path.join(ROOT, "csrc", "torch", "grad_ready.cpp")],
-        extra_include_paths=[os.path.join(ROOT, "csrc")],
-        extra_cflags=cxx_flags(),
-        build_directory=build,
-        verbose=False,
-    )
-    return build
-
-
-def _use_built_hooks(monkeypatch=None):
-    """Make the reducers use the C++ hooks of the module the test built, if it built one (in this
-    process for good, as a two-rank worker wants it, or through ``monkeypatch``, undone after the test)."""
-    build = os.environ.get(_DIR_ENV)
-    if not build:
-        return
-    from ls_fairseq.optim import overlap
-
-    if build not in sys.path:
-        sys.path.insert(0, build)
-    mod = importlib.import_module(_MODULE)
-    if monkeypatch is None:
-        overlap._grad_ready_class = lambda: mod.GradReady
-    else:
-        monkeypatch.setattr(overlap, "_grad_ready_class", lambda: mod.GradReady)
-
-
-@pytest.fixture(params=["python_hooks", "cpp_hooks"])
-def hooks(request, monkeypatch):
-    """Which hooks the reducers use; "cpp_hooks" builds them (and the test then checks it got them)."""
-    if request.param == "python_hooks":
-        monkeypatch.setenv("LS_FAIRSEQ_CPP_HOOKS", "0")
-        monkeypatch.delenv(_DIR_ENV, raising=False)
-    else:
-        monkeypatch.delenv("LS_FAIRSEQ_CPP_HOOKS", raising=False)
-        monkeypatch.setenv(_DIR_ENV, request.getfixturevalue("grad_ready_dir"))
-    return request.param
 
 
 
@@ -183,7 +120,6 @@ def _replicas(rank, port):
 
     from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
 
-    _use_built_hooks()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     cfg = LSAdamConfig(lr=[0.01], adam_betas="(0.9, 0.98)", bucket_cap_mb=256 / 2**20)
@@ -236,7 +172,6 @@ def _worker(rank, port, out_dir):
                     out["mismatch"].append(f"update {update} param {n}")
         out["params"] = [p.detach().clone() for p in net.parameters()]
         reducer = opt._reducer
-        out["cpp_hooks"] = reducer._counter is not None and not reducer._handles
         out["dtypes"] = sorted({str(bk.buffer.dtype) for bk in reducer.buckets})
         out["grads_are_views"] = all(
             p.grad.untyped_storage().data_ptr() == buf.grad.untyped_storage().data_ptr()
@@ -274,7 +209,7 @@ def _worker(rank, port, out_dir):
 
 
 @pytest.mark.parametrize("fold", ["copy_then_divide", "fused"])
-def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, fold, hooks):
+def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, fold):
     """``fused`` (``LS_FAIRSEQ_FUSED_FOLD=1``): each complete bucket is copied and divided in one call of
     ops.copy_div_ (its reference on the CPU) instead of a copy and a division of the whole range."""
     if fold == "fused":
@@ -284,7 +219,6 @@ def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, m
     got = two_rank_results(_worker, tmp_path)
     for rank in (0, 1):
         out = got[rank]
-        assert out["cpp_hooks"] == (hooks == "cpp_hooks")
         assert out["mismatch"] == [], out["mismatch"]
         rounds = out["rounds"]
         assert rounds[0] is None  # the first update reduces after the backward, then installs the hooks
@@ -301,7 +235,7 @@ def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, m
         assert torch.equal(a, b)  # the replicas stay identical
 
 
-def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive(hooks, monkeypatch):
+def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive():
     """The post-accumulate-grad hooks live in autograd's C++ state, out of the garbage collector's
     sight. Had they held the reducer strongly, the reducer, its DDP wrapper (``arm``) and the
     wrapper's process group would stay alive as long as the parameters, and a gloo group would
@@ -318,12 +252,8 @@ def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive(hooks, mo
     net = torch.nn.Linear(4, 3)
     ws = FlatWorkspace(list(net.parameters()))
     wrapper = Wrapper()
-    _use_built_hooks(monkeypatch)
     reducer = OverlappedReducer([ws], 2, None, arm=wrapper)
-    if hooks == "cpp_hooks":  # one hook per trainable parameter
-        assert reducer._counter.num_hooks == 2 and not reducer._handles
-    else:
-        assert len(reducer._handles) == 2 and reducer._counter is None
+    assert reducer._handles  # one hook per trainable parameter
     gone, wrapper_gone = weakref.ref(reducer), weakref.ref(wrapper)
     gc.disable()  # freed by reference counting alone, not by a later collection
     try:

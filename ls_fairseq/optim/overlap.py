@@ -11,10 +11,7 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   buckets of its own; one global order interleaves them by the position of each bucket's
   first parameter in the optimizer's parameter list (:func:`bucket_order`).
 * Hooks. Every trainable parameter carries a post-accumulate-grad hook. When it fires while
-  the reduction is armed, it counts the parameter done. Where the extension has it, the counting
-  runs in C++ (``ls_fairseq._C.GradReady``: hooks on the parameters' gradient accumulators that
-  call into Python only when a round starts, a bucket completes or an error is found, instead of
-  once per parameter); ``LS_FAIRSEQ_CPP_HOOKS=0`` keeps the Python hooks. Both do the same. The hook that completes a bucket
+  the reduction is armed, it counts the parameter done. The hook that completes a bucket
   writes the bucket's gradients into its range of the flat buffer in one multi-tensor copy,
   divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
   fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
@@ -62,7 +59,6 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ls_fairseq import _ext
 from ls_fairseq.optim.workspace import FlatBuffer, FlatWorkspace
 
 logger = logging.getLogger(__name__)
@@ -148,23 +144,6 @@ class _Round:
         self.tasks = set()              # autograd graph tasks that will call back when they end
 
 
-_WRITTEN_AGAIN = (
-    "ls_adam overlapped all-reduce: a parameter's gradient was written again after it had been "
-    "averaged for the all-reduce: a second backward pass before optimizer.all_reduce_grads(model) "
-    "(run every backward but the last of an update inside model.no_sync(), as fairseq's Trainer "
-    "does for --update-freq), or a parameter used both inside and outside a reentrant activation "
-    "checkpoint. LS_FAIRSEQ_SYNC_ALL_REDUCE=1 all-reduces after the backward instead."
-)
-
-
-def _grad_ready_class():
-    """The extension's C++ hook counter (``ls_fairseq._C.GradReady``), or None: not built, or
-    ``LS_FAIRSEQ_CPP_HOOKS=0``."""
-    if os.environ.get("LS_FAIRSEQ_CPP_HOOKS", "1") == "0":
-        return None
-    return getattr(_ext.get(), "GradReady", None)
-
-
 # the running autograd graph task, and the node being evaluated (None outside any backward, also in
 # the end-of-backward callback of an outermost backward; in a reentrant backward's it is the outer node)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
@@ -209,22 +188,13 @@ class OverlappedReducer:
         # LS_FAIRSEQ_FUSED_FOLD=1: copy and divide each complete bucket in one pass (ops.copy_div_)
         self.fused_fold = os.environ.get("LS_FAIRSEQ_FUSED_FOLD") == "1"
         self._handles = []
-        self._counter = None  # the C++ hooks (GradReady), when used
-        counter_cls = _grad_ready_class()
-        if counter_cls is not None:
-            self._counter = counter_cls([n for _, _, n in self._slots], self._sizes, self, self._events())
         for s, (buf, i, n) in enumerate(self._slots):
             p = buf.params[i]
-            if not p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
-                continue
-            if self._counter is not None:
-                self._counter.attach(p, s)
-            else:
+            if p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(s)))
         logger.info(
-            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB, %s hooks)",
+            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB)",
             "reduce-scatter" if shard else "all-reduce", len(self.buckets), bucket_bytes / 2**20,
-            "Python" if self._counter is None else "C++",
         )
 
     @property
@@ -242,8 +212,6 @@ class OverlappedReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._counter is not None:
-            self._counter.remove()
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, slot: int):
@@ -267,51 +235,27 @@ class OverlappedReducer:
         if r is None:
             r = self._round = _Round(len(self._slots), list(self._sizes))
         elif r.ended or r.done[slot] or self.arm.accumulate_grads:
-            raise RuntimeError(_WRITTEN_AGAIN)
+            raise RuntimeError(
+                "ls_adam overlapped all-reduce: a parameter's gradient was written again after it had been "
+                "averaged for the all-reduce: a second backward pass before optimizer.all_reduce_grads(model) "
+                "(run every backward but the last of an update inside model.no_sync(), as fairseq's Trainer "
+                "does for --update-freq), or a parameter used both inside and outside a reentrant activation "
+                "checkpoint. LS_FAIRSEQ_SYNC_ALL_REDUCE=1 all-reduces after the backward instead."
+            )
         task = _graph_task_id()
         if task not in r.tasks:  # a reentrant backward (activation checkpointing) is a task of its own
             r.tasks.add(task)
-            self._call_at_end(r)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(r))
+            except RuntimeError:  # not inside an autograd backward: finish() does the rest
+                pass
         n = self._slots[slot][2]
         r.done[slot] = 1
         r.pending[n] -= 1
         if r.pending[n] == 0:
-            self._complete(r, n)
-
-    def _call_at_end(self, r: _Round):
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(r))
-        except RuntimeError:  # not inside an autograd backward: finish() does the rest
-            pass
-
-    def _complete(self, r: _Round, n: int):
-        """Every parameter of bucket ``n`` has its gradient: fold it, launch what is ready in order."""
-        self._fold(n)
-        if n == r.next:
-            r.early += self._launch_ready(r)
-
-    def _events(self):
-        """The C++ hooks' callback (see csrc/torch/grad_ready.cpp), holding the reducer weakly. The
-        counter keeps done/pending per parameter; the round's ``pending`` here is per bucket (zero
-        once folded) and its ``done`` is read from the counter at the end of the backward."""
-        me = weakref.ref(self)
-
-        def on_event(kind: int, value: int):
-            reducer = me()
-            if reducer is None:
-                return
-            if kind == 0:  # the first gradient of an armed round
-                reducer._round = _Round(len(reducer._slots), list(reducer._sizes))
-            elif kind == 1:  # the first gradient from this autograd graph task
-                reducer._call_at_end(reducer._round)
-            elif kind == 2:  # bucket `value` is complete
-                r = reducer._round
-                r.pending[value] = 0
-                reducer._complete(r, value)
-            else:
-                raise RuntimeError(_WRITTEN_AGAIN)
-
-        return on_event
+            self._fold(n)
+            if n == r.next:
+                r.early += self._launch_ready(r)
 
     @torch.no_grad()
     def _fold(self, n: int):
@@ -349,8 +293,6 @@ class OverlappedReducer:
         """Fold the buckets that are not complete (their parameters whose hook did not fire get zero
         without a gradient, the gradient divided by the world size otherwise, as on the synchronous
         path) and launch every bucket not launched yet."""
-        if self._counter is not None:  # the C++ counter knows which parameters are done
-            r.done = self._counter.done()
         s = missed = 0
         for n, size in enumerate(self._sizes):
             if r.pending[n]:  # not folded yet (a complete bucket was folded by its last hook)
@@ -364,8 +306,6 @@ class OverlappedReducer:
             s += size
         self._launch_ready(r)
         r.ended = True
-        if self._counter is not None:
-            self._counter.end()
         if missed and not self._told_missed:
             self._told_missed = True
             logger.info(
@@ -394,8 +334,6 @@ class OverlappedReducer:
                 w.wait()
         finally:
             self._round = None
-            if self._counter is not None:
-                self._counter.reset()
         return True
 
 

@@ -1,6 +1,0 @@
-// csrc/torch/grad_ready.cpp as a module of its own, for tests/test_overlap.py on machines without a GPU.
-#include <torch/extension.h>
-
-#include "torch/grad_ready.h"
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { ls_torch::bind_grad_ready(m); }
