@@ -26,18 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 def build_module():
-    from torch.utils import cpp_extension
+    from tests._models import build_cpu_nodes_module
 
-    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
-
-    os.environ.update(host_compiler_env())
-    work = tempfile.mkdtemp(prefix="ls_nodes_bench_")
-    return cpp_extension.load(  # the module tests/test_cpp_nodes.py builds, with the compiler optimising
-        name="ls_fairseq_nodes_bench",
-        sources=[os.path.join(ROOT, "tests", "cpp", "stand_in_adapters.cpp"),
-                 os.path.join(ROOT, "tests", "cpp", "nodes_module.cpp"),
-                 os.path.join(ROOT, "csrc", "torch", "autograd.cpp")],
-        extra_include_paths=[os.path.join(ROOT, "csrc")], extra_cflags=cxx_flags(), build_directory=work)
+    # the module tests/test_cpp_nodes.py builds, with the compiler optimising
+    return build_cpu_nodes_module("ls_fairseq_nodes_bench", tempfile.mkdtemp(prefix="ls_nodes_bench_"))
 
 
 def use_module(mod):

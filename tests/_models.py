@@ -1,7 +1,8 @@
 """Helpers for the tests: native and ls transformer models without data on disk, binarised toy data,
-checked command runs."""
+checked command runs, the C++ autograd nodes built for the CPU."""
 
 import argparse
+import os
 import types
 
 import torch
@@ -174,3 +175,24 @@ def assert_same_checkpoint_state(path_a, path_b):
     assert sorted(ta) == sorted(tb) and len(tb) > 0
     for k in tb:
         assert torch.equal(ta[k], tb[k]), k
+
+
+def build_cpu_nodes_module(name: str, build_dir: str, extra_cflags=()):
+    """csrc/torch/autograd.cpp over the ATen CPU stand-ins of its CUDA adapters (tests/cpp), as the Python
+    module ``name`` built in ``build_dir`` (tests/test_cpp_nodes.py, benchmarks/cpu_nodes_host_overhead.py)."""
+    from torch.utils import cpp_extension
+
+    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ.update(host_compiler_env())
+    return cpp_extension.load(
+        name=name,
+        sources=[os.path.join(root, "tests", "cpp", "stand_in_adapters.cpp"),
+                 os.path.join(root, "tests", "cpp", "nodes_module.cpp"),
+                 os.path.join(root, "csrc", "torch", "autograd.cpp")],
+        extra_include_paths=[os.path.join(root, "csrc")],
+        extra_cflags=cxx_flags() + list(extra_cflags),
+        build_directory=build_dir,
+        verbose=False,
+    )

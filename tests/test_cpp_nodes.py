@@ -11,29 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _models import build_cpu_nodes_module
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler to build the nodes with")
-    from torch.utils import cpp_extension
-
-    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
-
-    os.environ.update(host_compiler_env())
     build = str(tmp_path_factory.mktemp("cpp_nodes_build"))
-    return cpp_extension.load(
-        name="ls_fairseq_cpp_nodes_test",
-        sources=[os.path.join(ROOT, "tests", "cpp", "stand_in_adapters.cpp"),
-                 os.path.join(ROOT, "tests", "cpp", "nodes_module.cpp"),
-                 os.path.join(ROOT, "csrc", "torch", "autograd.cpp")],
-        extra_include_paths=[os.path.join(ROOT, "csrc")],
-        extra_cflags=cxx_flags() + ["-O0"],  # build speed; the wiring is what is tested
-        build_directory=build,
-        verbose=False,
-    )
+    # -O0 for build speed; the wiring is what is tested
+    return build_cpu_nodes_module("ls_fairseq_cpp_nodes_test", build, extra_cflags=["-O0"])
 
 
 def _leaves(*ts):
