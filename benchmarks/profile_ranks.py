@@ -9,6 +9,11 @@ prints, per update: the host wall time, the GPU timeline span, the time covered 
 kernels, by NCCL kernels, by NCCL kernels while no compute kernel ran (communication that was not
 overlapped) and the time no kernel ran at all (the GPU waiting for the host or for another rank),
 followed by the largest idle gaps (named by the kernels before and after them) and the top kernels.
+
+``--host-ops`` records the host side too (torch.profiler's CPU activity; it slows the host down): per
+thread (the main thread runs the forward and the step, autograd's device thread the backward), the
+host time covered by recorded ops per update and the ops with the most self time, and the host time
+of every NCCL collective call.
 """
 
 import os
@@ -16,7 +21,7 @@ import sys
 import time
 
 from _timeline import covered_time
-from _trainer_setup import pop_option
+from _trainer_setup import pop_flag, pop_option
 
 
 def report(prof, wall_s, count, top=8):
@@ -56,9 +61,43 @@ def report(prof, wall_s, count, top=8):
         print(f"[rank {rank}]   {t / per:7.3f} ms/update {n / count:6.1f} calls  {name[:110]}", flush=True)
 
 
+def cpu_report(prof, count, top=25):
+    """Host time per update by thread, and each busy thread's ops with the most self time."""
+    rank = int(os.environ.get("RANK", "0"))
+    per = 1e3 * count
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    threads = {}
+    for e in events:
+        threads.setdefault(e.thread, []).append(e)
+    for tid, evs in sorted(threads.items(), key=lambda kv: -len(kv[1])):
+        tops = [(e.time_range.start, e.time_range.end) for e in evs if e.cpu_parent is None]
+        busy = covered_time(tops)
+        if busy / per < 0.05:
+            continue
+        print(f"[rank {rank}] HOST thread {tid}: {busy / per:.2f} ms/update covered by ops, "
+              f"{len(evs) / count:.0f} ops/update", flush=True)
+        own = {}
+        for e in evs:
+            t = own.setdefault(e.name, [0.0, 0])
+            t[0] += e.self_cpu_time_total
+            t[1] += 1
+        for name, (t, n) in sorted(own.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"[rank {rank}]   self {t / per:7.3f} ms/update {n / count:6.1f} calls  {name[:110]}", flush=True)
+    coll = {}
+    for e in events:
+        if e.name.startswith(("c10d::", "nccl:")) or "reduce_scatter" in e.name or "all_reduce" in e.name:
+            t = coll.setdefault(e.name, [0.0, 0])
+            t[0] += e.time_range.end - e.time_range.start
+            t[1] += 1
+    for name, (t, n) in sorted(coll.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"[rank {rank}]   collective {t / per:7.3f} ms/update {n / count:6.1f} calls "
+              f"({t / max(n, 1):.1f} us each)  {name[:90]}", flush=True)
+
+
 def main():
     argv = sys.argv[1:]
     start, count = (int(x) for x in pop_option(argv, "--profile-updates", "120:20", str).split(":"))
+    cpu = pop_flag(argv, "--host-ops")
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -72,7 +111,10 @@ def main():
     def train_step(self, samples, raise_oom=False):
         if "prof" not in state and self.get_num_updates() >= start:
             sync()
-            state["prof"] = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
+            acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            if cpu or not acts:
+                acts.append(ProfilerActivity.CPU)
+            state["prof"] = profile(activities=acts)
             state["prof"].__enter__()
             state["t0"], state["n0"] = time.perf_counter(), self.get_num_updates()
         out = step(self, samples, raise_oom)
@@ -82,6 +124,8 @@ def main():
             state["prof"].__exit__(None, None, None)
             state["done"] = True
             report(state["prof"], wall, self.get_num_updates() - state["n0"])
+            if cpu:
+                cpu_report(state["prof"], self.get_num_updates() - state["n0"])
         return out
 
     LSTrainer.train_step = train_step
