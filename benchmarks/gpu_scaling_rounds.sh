@@ -5,7 +5,8 @@
 # (benchmarks/scaling_pairs.py), the ratios between the first variant and each other one, and the machine
 # check before and after. Logs under $OUT.
 #   VARIANTS: space-separated NAME=ENV, ENV a comma-separated list of assignments for the 2-GPU run or "-",
-#             e.g. VARIANTS="whole=LS_FAIRSEQ_SHARD_ADAM=0 sharded=LS_FAIRSEQ_SHARD_ADAM=1".
+#             e.g. VARIANTS="whole=LS_FAIRSEQ_SHARD_ADAM=0 sharded=LS_FAIRSEQ_SHARD_ADAM=1"; an item that starts
+#             with -- is a training flag instead (--bucket-cap-mb=100).
 #             Default: one variant "2gpu" with TWO_ENV (e.g. TWO_ENV=LS_FAIRSEQ_SHARD_ADAM=1).
 #   PROBE=1:  first, benchmarks/host_probe.py on GPU 0 (t2t, 8192 tokens, 12 batches): host and GPU ms of the
 #             forward, backward and optimizer step, into machine.txt. Where the host ms of a step come close
@@ -31,7 +32,11 @@ for k in $(seq 1 "${ROUNDS:-3}"); do
   for v in "${variants[@]}"; do
     name=${v%%=*} assignments=${v#*=}
     [[ "$assignments" == "-" ]] && assignments=""
-    run "r${k}b_${name}" env ${assignments//,/ } $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2
+    envs=() args=()
+    for item in ${assignments//,/ }; do
+      if [[ "$item" == --* ]]; then args+=("$item"); else envs+=("$item"); fi
+    done
+    run "r${k}b_${name}" env "${envs[@]}" $T "${COMMON[@]}" "${G[@]}" --distributed-world-size 2 "${args[@]}"
   done
 done
 python benchmarks/machine_check.py 2>&1 | tee -a "$OUT/machine.txt"
