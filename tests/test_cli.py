@@ -112,6 +112,17 @@ def test_distributed_ls_adam_trains_under_legacy_ddp(monkeypatch, caplog):
     assert args.ddp_backend == "legacy_ddp" and args.memory_efficient_fp16
 
 
+def test_ls_adam_buckets_default_to_100_mb_under_legacy_ddp(monkeypatch):
+    two = ["--optimizer", "ls_adam", "--distributed-world-size", "2"]
+    assert _parse(_ARGS + two, monkeypatch).bucket_cap_mb == 100
+    assert _parse(_ARGS + two + ["--bucket-cap-mb", "25"], monkeypatch).bucket_cap_mb == 25  # the user's
+    assert _parse(_ARGS + two + ["--bucket-cap-mb=50"], monkeypatch).bucket_cap_mb == 50
+    # fairseq's default where ls_adam does not reduce the gradients itself
+    assert _parse(_ARGS + two + ["--ddp-backend", "pytorch_ddp"], monkeypatch).bucket_cap_mb == 25
+    assert _parse(_ARGS + ["--optimizer", "adam", "--distributed-world-size", "2"], monkeypatch).bucket_cap_mb == 25
+    assert _parse(_ARGS + ["--optimizer", "ls_adam", "--distributed-world-size", "1"], monkeypatch).bucket_cap_mb == 25
+
+
 @pytest.mark.parametrize("extra, expected", [
     (["--optimizer", "ls_adam", "--distributed-world-size", "2", "--ddp-backend", "pytorch_ddp"], "pytorch_ddp"),
     (["--optimizer", "ls_adam", "--distributed-world-size", "2", "--ddp-backend=c10d"], "c10d"),
