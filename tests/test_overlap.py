@@ -173,7 +173,6 @@ def _worker(rank, port, out_dir):
         out["params"] = [p.detach().clone() for p in net.parameters()]
         reducer = opt._reducer
         out["dtypes"] = sorted({str(bk.buffer.dtype) for bk in reducer.buckets})
-        out["launcher"] = reducer._launcher is not None
         out["grads_are_views"] = all(
             p.grad.untyped_storage().data_ptr() == buf.grad.untyped_storage().data_ptr()
             for ws in opt._optimizer.workspaces for buf in ws.buffers for p in buf.params
@@ -209,16 +208,14 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fold,launcher", [("copy_then_divide", False), ("fused", False), ("copy_then_divide", True)])
-def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, fold, launcher):
+@pytest.mark.parametrize("fold", ["copy_then_divide", "fused"])
+def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, fold):
     """``fused`` (``LS_FAIRSEQ_FUSED_FOLD=1``): each complete bucket is copied and divided in one call of
-    ops.copy_div_ (its reference on the CPU) instead of a copy and a division of the whole range.
-    ``launcher`` (``LS_FAIRSEQ_REDUCE_THREAD=1``): the collectives are issued by the reducer's thread."""
+    ops.copy_div_ (its reference on the CPU) instead of a copy and a division of the whole range."""
     if fold == "fused":
         monkeypatch.setenv("LS_FAIRSEQ_FUSED_FOLD", "1")
     else:
         monkeypatch.delenv("LS_FAIRSEQ_FUSED_FOLD", raising=False)
-    monkeypatch.setenv("LS_FAIRSEQ_REDUCE_THREAD", "1" if launcher else "0")
     got = two_rank_results(_worker, tmp_path)
     for rank in (0, 1):
         out = got[rank]
@@ -231,7 +228,6 @@ def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, m
             assert ended and launched == n_buckets and n_buckets >= 8
             assert early == (n_buckets if rank == 0 and update != 4 else 2)
         assert out["dtypes"] == ["torch.bfloat16", "torch.float32"]
-        assert out["launcher"] == launcher
         assert out["grads_are_views"]
         assert len(out["errors"]) == 2 and all("written again" in e for e in out["errors"])
         assert out["after_error_equal"]
@@ -267,62 +263,3 @@ def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive():
         gc.enable()
     net(torch.ones(2, 4)).sum().backward()  # the orphaned hooks are no-ops
     assert torch.equal(net.bias.grad, torch.full((3,), 2.0))
-
-
-def test_launcher_thread_ends_with_its_reducer(monkeypatch):
-    """LS_FAIRSEQ_REDUCE_THREAD=1 gives the reducer a thread of its own; it holds no reference to the
-    reducer and ends when the reducer is freed (or removed)."""
-    import gc
-
-    from ls_fairseq.optim.overlap import OverlappedReducer
-
-    class Wrapper:
-        accumulate_grads = False
-
-    monkeypatch.setenv("LS_FAIRSEQ_REDUCE_THREAD", "1")
-    ws = FlatWorkspace(list(torch.nn.Linear(4, 3).parameters()))
-    reducer = OverlappedReducer([ws], 2, None, arm=Wrapper())
-    thread = reducer._launcher._thread
-    assert thread.is_alive() and thread.name == "ls_fairseq-reduce"
-    del reducer
-    gc.collect()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-
-    removed = OverlappedReducer([ws], 2, None, arm=Wrapper())
-    thread = removed._launcher._thread
-    removed.remove()
-    assert not thread.is_alive()
-
-    monkeypatch.setenv("LS_FAIRSEQ_REDUCE_THREAD", "yes")
-    with pytest.raises(ValueError, match="LS_FAIRSEQ_REDUCE_THREAD"):
-        OverlappedReducer([ws], 2, None, arm=Wrapper())
-
-
-def test_launcher_issues_in_order_and_hands_errors_to_the_drain():
-    from ls_fairseq.optim.overlap import _Launcher
-
-    launcher = _Launcher(torch.device("cpu"))
-    try:
-        works = []
-        for i in range(50):
-            launcher.submit(lambda i: i, (i,), works)
-        launcher.drain()
-        assert works == list(range(50))
-
-        def fail():
-            raise ValueError("no peer")
-
-        works = []
-        launcher.submit(lambda: 1, (), works)
-        launcher.submit(fail, (), works)
-        launcher.submit(lambda: 3, (), works)  # dropped: the batch already failed
-        with pytest.raises(RuntimeError, match="no peer"):
-            launcher.drain()
-        assert works == [1]
-        launcher.submit(lambda: 4, (), works)  # the next batch runs again
-        launcher.drain()
-        assert works == [1, 4]
-    finally:
-        launcher.close()
-    assert not launcher._thread.is_alive()

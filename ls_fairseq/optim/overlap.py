@@ -29,12 +29,6 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   as PyTorch's DDP does: a collective issued between the backward and the optimizer
   (fairseq's Trainer all-reduces its logging statistics there) cannot interleave with them on
   one rank and not on another, even when a parameter got a gradient on one rank only.
-* Launcher thread (``LS_FAIRSEQ_REDUCE_THREAD=1``). An NCCL call costs the host about 0.1 ms
-  (events, the work object, NCCL's enqueue): a dozen of them per backward, on the autograd thread
-  that also launches the backward's kernels. With the launcher the hooks hand each ready bucket to
-  one thread of the reducer's own, which issues the collectives in the same global order, on the
-  stream the hook ran on; the end of the backward waits until it has issued all of them, so every
-  collective is still issued inside the backward pass. An error it meets is raised there.
 * :meth:`OverlappedReducer.finish` (after the backward) waits for the round's collectives.
   On NCCL ``work.wait()`` makes the current CUDA stream wait; the host never blocks.
 * Sharded optimizer state (``shard=True``). Each bucket is split into ``world_size`` equal
@@ -59,8 +53,6 @@ backward, used both inside and outside a reentrant activation checkpoint).
 
 import logging
 import os
-import queue
-import threading
 import weakref
 from typing import Dict, List, Sequence, Tuple
 
@@ -137,81 +129,6 @@ def shardable(buckets: Sequence[Bucket], world_size: int) -> bool:
     return world_size >= 2 and all((bk.end - bk.start) % (world_size * SHARD_ALIGN_ELEMENTS) == 0 for bk in buckets)
 
 
-class _Launcher:
-    """One thread that issues collectives handed to it, in the order they were handed over.
-
-    ``submit(fn, args, works)`` queues ``works.append(fn(*args))``, to be run on the launcher thread
-    with the caller's current CUDA stream (for tensors on a CUDA device) current there too, so that
-    the collective waits for exactly the work the caller queued before it. ``drain()`` returns once
-    everything submitted has been issued, raising the first error met (later submissions of a failed
-    batch are dropped)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._q = queue.SimpleQueue()
-        self._cv = threading.Condition()
-        self._pending = 0
-        self._error = None
-        self._thread = threading.Thread(target=self._run, name="ls_fairseq-reduce", daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.set_device(self.device)
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, args, works, stream = item
-            try:
-                if self._error is None:
-                    if stream is not None:
-                        with torch.cuda.stream(stream):
-                            works.append(fn(*args))
-                    else:
-                        works.append(fn(*args))
-            except BaseException as e:  # handed to the thread that drains
-                self._error = e
-            finally:
-                with self._cv:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._cv.notify_all()
-
-    def submit(self, fn, args, works):
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        with self._cv:
-            self._pending += 1
-        self._q.put((fn, args, works, stream))
-
-    def drain(self):
-        with self._cv:
-            while self._pending:
-                self._cv.wait()
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"ls_adam overlapped all-reduce: a collective failed on the launcher thread: {error}") \
-                from error
-
-    def stop(self):
-        """Let the thread end once it has issued what was submitted."""
-        self._q.put(None)
-
-    def close(self):
-        self.stop()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-
-
-def launcher_requested() -> bool:
-    """LS_FAIRSEQ_REDUCE_THREAD=1: the reducer issues its collectives from a thread of its own."""
-    value = os.environ.get("LS_FAIRSEQ_REDUCE_THREAD", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"LS_FAIRSEQ_REDUCE_THREAD must be 0 or 1, not {value!r}")
-    return value == "1"
-
-
 class _Round:
     """The state of one armed backward pass, from its first hook to :meth:`OverlappedReducer.finish`."""
 
@@ -231,14 +148,6 @@ class _Round:
 # the end-of-backward callback of an outermost backward; in a reentrant backward's it is the outer node)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 _autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-
-
-def _all_reduce(flat, group):
-    return dist.all_reduce(flat, group=group, async_op=True)
-
-
-def _reduce_scatter(out, flat, group):
-    return dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)
 
 
 class OverlappedReducer:
@@ -276,9 +185,6 @@ class OverlappedReducer:
             self._sizes.append(len(bk.members))
         self._round = None
         self._told_missed = False
-        self._launcher = _Launcher(self.buckets[0].flat.device) if launcher_requested() and self.buckets else None
-        if self._launcher is not None:  # the thread ends with the reducer (it holds no reference to it)
-            weakref.finalize(self, self._launcher.stop)
         # LS_FAIRSEQ_FUSED_FOLD=1: copy and divide each complete bucket in one pass (ops.copy_div_)
         self.fused_fold = os.environ.get("LS_FAIRSEQ_FUSED_FOLD") == "1"
         self._handles = []
@@ -287,9 +193,8 @@ class OverlappedReducer:
             if p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(s)))
         logger.info(
-            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB, issued %s)",
+            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB)",
             "reduce-scatter" if shard else "all-reduce", len(self.buckets), bucket_bytes / 2**20,
-            "by a launcher thread" if self._launcher is not None else "from the backward's hooks",
         )
 
     @property
@@ -307,9 +212,6 @@ class OverlappedReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._launcher is not None:
-            self._launcher.close()
-            self._launcher = None
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, slot: int):
@@ -370,17 +272,13 @@ class OverlappedReducer:
     def _launch_ready(self, r: _Round) -> int:
         launched = 0
         buckets, pending = self.buckets, r.pending
-        own, group, launcher = self._own, self.process_group, self._launcher
+        own, group = self._own, self.process_group
         while r.next < len(buckets) and pending[r.next] == 0:
             flat = buckets[r.next].flat
             if own is None:
-                fn, args = _all_reduce, (flat, group)
+                r.works.append(dist.all_reduce(flat, group=group, async_op=True))
             else:  # in place: the output is this rank's part of the input
-                fn, args = _reduce_scatter, (own[r.next], flat, group)
-            if launcher is None:
-                r.works.append(fn(*args))
-            else:
-                launcher.submit(fn, args, r.works)
+                r.works.append(dist.reduce_scatter_tensor(own[r.next], flat, group=group, async_op=True))
             r.next += 1
             launched += 1
         return launched
@@ -408,8 +306,6 @@ class OverlappedReducer:
             s += size
         self._launch_ready(r)
         r.ended = True
-        if self._launcher is not None:  # every collective of the round is issued before the backward returns
-            self._launcher.drain()
         if missed and not self._told_missed:
             self._told_missed = True
             logger.info(
@@ -434,8 +330,6 @@ class OverlappedReducer:
         try:
             if not r.ended:
                 self._fill_rest(r)
-            elif self._launcher is not None:
-                self._launcher.drain()
             for w in r.works:
                 w.wait()
         finally:
@@ -443,5 +337,5 @@ class OverlappedReducer:
         return True
 
 
-__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "launcher_requested", "SHARD_ALIGN_ELEMENTS", "bucket_order", "plan_buckets",
+__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "SHARD_ALIGN_ELEMENTS", "bucket_order", "plan_buckets",
            "shardable"]
