@@ -3,8 +3,8 @@
 A step of ls_transformer_wmt_en_de_big_t2t at 8192 tokens launches about 60 linear layers forward and
 twice as many GEMMs backward, and about 90 of the ops' autograd Functions. Where the host is slow the
 GPU waits for these launches, so their host cost sets the step time. Each row: the best of a few
-repeats of N back-to-back calls (no synchronisation inside; the GPU work of N calls is queued), in
-microseconds of host time per call.
+repeats of N back-to-back calls, queued behind a GPU spin kernel so that no call waits for the GPU,
+in microseconds of host time per call.
 
     python benchmarks/host_ops_probe.py [--tokens 8192] [--calls 100]
 """
@@ -23,6 +23,7 @@ def host_us(fn, calls, repeats=5):
     best = float("inf")
     for _ in range(repeats):
         torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spin: the calls below only queue their work
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -64,11 +65,16 @@ def main():
             return g
 
     xr = x.detach().requires_grad_()
+    y2 = torch.empty(b * t, 4096, device=dev, dtype=h)
     rows = [
+        ("empty_like (allocator only)", lambda: torch.empty_like(x)),
         ("tiny add_ (dispatch + launch floor)", lambda: small.add_(1)),
         ("F.linear 3D, no bias (forward)", lambda: F.linear(x, w)),
         ("F.linear 3D, bias (addmm)", lambda: F.linear(x, w, bias)),
         ("torch.mm 2D", lambda: torch.mm(x2, wt)),
+        ("torch.mm 2D, out=", lambda: torch.mm(x2, wt, out=y2)),
+        ("ops.linear 3D, no grad (the linear node's entry)", lambda: ops.linear(x, w)),
+        ("ops.linear 3D, records its autograd node", lambda: ops.linear(xr, w)),
         ("torch.mm grad input [N,4096]x[4096,1024]", lambda: torch.mm(gy, w)),
         ("torch.mm grad weight [4096,N]x[N,1024]", lambda: torch.mm(gy.t(), x2)),
         ("sum over rows (bias grad)", lambda: gy.sum(0)),
