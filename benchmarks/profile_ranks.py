@@ -24,6 +24,16 @@ from _timeline import covered_time
 from _trainer_setup import pop_flag, pop_option
 
 
+def tally(pairs, top):
+    """(key, microseconds) pairs -> the ``top`` keys with the most time: [(key, total us, count)]."""
+    sums = {}
+    for key, us in pairs:
+        t = sums.setdefault(key, [0.0, 0])
+        t[0] += us
+        t[1] += 1
+    return sorted(((k, t, n) for k, (t, n) in sums.items()), key=lambda r: -r[1])[:top]
+
+
 def report(prof, wall_s, count, top=8):
     rank = int(os.environ.get("RANK", "0"))
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -41,23 +51,15 @@ def report(prof, wall_s, count, top=8):
           f"(not overlapped with compute {(busy - busy_compute) / per:.2f}), no kernel running "
           f"{(window - busy) / per:.2f}, kernels/update {len(events) / count:.0f}", flush=True)
     # idle gaps (no kernel on any stream), each attributed to the kernels on both sides of it
-    gaps, end, prev = {}, None, None
+    gaps, end, prev = [], None, None
     for e in sorted(events, key=lambda e: e.time_range.start):
         if end is not None and e.time_range.start - end > 10:
-            key = f"{prev[:48]} -> {e.name[:48]}"
-            g = gaps.setdefault(key, [0.0, 0])
-            g[0] += e.time_range.start - end
-            g[1] += 1
+            gaps.append((f"{prev[:48]} -> {e.name[:48]}", e.time_range.start - end))
         if end is None or e.time_range.end > end:
             end, prev = e.time_range.end, e.name
-    for key, (t, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+    for key, t, n in tally(gaps, top):
         print(f"[rank {rank}]   idle {t / per:6.3f} ms/update in {n / count:5.1f} gaps >10us: {key}", flush=True)
-    by_name = {}
-    for e in events:
-        t = by_name.setdefault(e.name, [0.0, 0])
-        t[0] += e.time_range.end - e.time_range.start
-        t[1] += 1
-    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+    for name, t, n in tally(((e.name, e.time_range.end - e.time_range.start) for e in events), top):
         print(f"[rank {rank}]   {t / per:7.3f} ms/update {n / count:6.1f} calls  {name[:110]}", flush=True)
 
 
@@ -76,20 +78,11 @@ def cpu_report(prof, count, top=25):
             continue
         print(f"[rank {rank}] HOST thread {tid}: {busy / per:.2f} ms/update covered by ops, "
               f"{len(evs) / count:.0f} ops/update", flush=True)
-        own = {}
-        for e in evs:
-            t = own.setdefault(e.name, [0.0, 0])
-            t[0] += e.self_cpu_time_total
-            t[1] += 1
-        for name, (t, n) in sorted(own.items(), key=lambda kv: -kv[1][0])[:top]:
+        for name, t, n in tally(((e.name, e.self_cpu_time_total) for e in evs), top):
             print(f"[rank {rank}]   self {t / per:7.3f} ms/update {n / count:6.1f} calls  {name[:110]}", flush=True)
-    coll = {}
-    for e in events:
-        if e.name.startswith(("c10d::", "nccl:")) or "reduce_scatter" in e.name or "all_reduce" in e.name:
-            t = coll.setdefault(e.name, [0.0, 0])
-            t[0] += e.time_range.end - e.time_range.start
-            t[1] += 1
-    for name, (t, n) in sorted(coll.items(), key=lambda kv: -kv[1][0])[:12]:
+    calls = ((e.name, e.time_range.end - e.time_range.start) for e in events
+             if e.name.startswith(("c10d::", "nccl:")) or "reduce_scatter" in e.name or "all_reduce" in e.name)
+    for name, t, n in tally(calls, 12):
         print(f"[rank {rank}]   collective {t / per:7.3f} ms/update {n / count:6.1f} calls "
               f"({t / max(n, 1):.1f} us each)  {name[:90]}", flush=True)
 
