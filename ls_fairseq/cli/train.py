@@ -210,9 +210,9 @@ LS_ADAM_BUCKET_MB = 100
 def ls_adam_bucket_size(args: argparse.Namespace, argv: List[str]) -> bool:
     """Under legacy_ddp with ls_adam (the overlapped reduction of ls_fairseq/optim/overlap.py), buckets of
     :data:`LS_ADAM_BUCKET_MB` unless ``--bucket-cap-mb`` is given. Returns True when it changed it."""
-    if getattr(args, "optimizer", None) != "ls_adam" or getattr(args, "ddp_backend", None) != "legacy_ddp":
+    if not _ls_adam_on_several_workers(args) or getattr(args, "ddp_backend", None) != "legacy_ddp":
         return False
-    if int(getattr(args, "distributed_world_size", 1) or 1) < 2 or _common.has_flag(argv, "--bucket-cap-mb"):
+    if _common.has_flag(argv, "--bucket-cap-mb"):
         return False
     args.bucket_cap_mb = LS_ADAM_BUCKET_MB
     return True
@@ -235,6 +235,12 @@ def keep_epoch_iterator(args: argparse.Namespace, argv: List[str]) -> bool:
     return True
 
 
+def _ls_adam_on_several_workers(args: argparse.Namespace) -> bool:
+    """--optimizer ls_adam with --distributed-world-size > 1 (as fairseq decides it: its default is the number
+    of visible GPUs; a torchrun or Slurm start needs it > 1 too)."""
+    return getattr(args, "optimizer", None) == "ls_adam" and int(getattr(args, "distributed_world_size", 1) or 1) >= 2
+
+
 def ls_adam_reduces_gradients(args: argparse.Namespace, argv: List[str]) -> bool:
     """A distributed ls_adam run trains under ``--ddp-backend legacy_ddp`` unless ``--ddp-backend``
     is given on the command line.
@@ -248,9 +254,7 @@ def ls_adam_reduces_gradients(args: argparse.Namespace, argv: List[str]) -> bool
     ls_adam then never sees the model's gradients, and fairseq's legacy wrapper would reduce
     them after the backward. Returns True when it switched the backend.
     """
-    if getattr(args, "optimizer", None) != "ls_adam" or _common.has_flag(argv, "--ddp-backend"):
-        return False
-    if int(getattr(args, "distributed_world_size", 1) or 1) < 2 or getattr(args, "tpu", False):
+    if not _ls_adam_on_several_workers(args) or _common.has_flag(argv, "--ddp-backend") or getattr(args, "tpu", False):
         return False
     if getattr(args, "ddp_backend", None) == "legacy_ddp":
         return False
