@@ -1,8 +1,14 @@
 """ls_adam's gradient all-reduce overlapped with the backward pass (ls_fairseq.optim.overlap): the bucket
 plan, and two gloo processes on the CPU that train one replica with the overlapped reduction and one with
-the synchronous reduction after the backward, which must agree bit for bit."""
+the synchronous reduction after the backward, which must agree bit for bit. Both kinds of hooks run: the
+Python post-accumulate-grad hooks, and the C++ hooks of csrc/torch/grad_buckets.cpp, built here on the CPU
+as a module of its own (the extension ls_fairseq._C carries the same file on GPU machines)."""
 
 import datetime
+import importlib
+import os
+import shutil
+import sys
 
 import pytest
 import torch
@@ -12,6 +18,66 @@ from ls_fairseq.optim.overlap import bucket_order, plan_buckets
 from ls_fairseq.optim.workspace import FlatWorkspace
 
 from _models import save_rank_result, two_rank_results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MODULE = "ls_fairseq_grad_buckets_test"
+_DIR_ENV = "LS_FAIRSEQ_TEST_GRAD_BUCKETS_DIR"  # where a two-rank worker finds the built module
+
+
+@pytest.fixture(scope="module")
+def grad_buckets_dir(tmp_path_factory):
+    """csrc/torch/grad_buckets.cpp built as a module of its own; its folder."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler to build the C++ hooks with")
+    from torch.utils import cpp_extension
+
+    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
+
+    os.environ.update(host_compiler_env())
+    build = str(tmp_path_factory.mktemp("grad_buckets_build"))
+    cpp_extension.load(
+        name=_MODULE,
+        sources=[os.path.join(ROOT, "tests", "cpp", "grad_buckets_module.cpp"),
+                 os.path.join(ROOT, "csrc", "torch", "grad_buckets.cpp")],
+        extra_include_paths=[os.path.join(ROOT, "csrc")],
+        extra_cflags=cxx_flags(),
+        build_directory=build,
+        verbose=False,
+    )
+    return build
+
+
+def _use_built_hooks(monkeypatch=None):
+    """Make the reducers use the C++ hooks of the module a test built, if it built one (in this process
+    for good, as a two-rank worker wants it, or through ``monkeypatch``, undone after the test)."""
+    build = os.environ.get(_DIR_ENV)
+    if not build:
+        return
+    from ls_fairseq.optim import overlap
+
+    if build not in sys.path:
+        sys.path.insert(0, build)
+    cls = importlib.import_module(_MODULE).GradBuckets
+    if monkeypatch is None:
+        overlap._grad_buckets_class = lambda: cls
+    else:
+        monkeypatch.setattr(overlap, "_grad_buckets_class", lambda: cls)
+
+
+def _choose_hooks(which, request, monkeypatch):
+    if which == "python_hooks":
+        monkeypatch.setenv("LS_FAIRSEQ_CPP_HOOKS", "0")
+        monkeypatch.delenv(_DIR_ENV, raising=False)
+    else:
+        monkeypatch.delenv("LS_FAIRSEQ_CPP_HOOKS", raising=False)
+        monkeypatch.setenv(_DIR_ENV, request.getfixturevalue("grad_buckets_dir"))
+
+
+@pytest.fixture(params=["python_hooks", "cpp_hooks"])
+def hooks(request, monkeypatch):
+    """Which hooks the reducers use; "cpp_hooks" builds them (and the test checks that it got them)."""
+    _choose_hooks(request.param, request, monkeypatch)
+    return request.param
 
 
 
@@ -120,6 +186,7 @@ def _replicas(rank, port):
 
     from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
 
+    _use_built_hooks()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     cfg = LSAdamConfig(lr=[0.01], adam_betas="(0.9, 0.98)", bucket_cap_mb=256 / 2**20)
@@ -172,6 +239,7 @@ def _worker(rank, port, out_dir):
                     out["mismatch"].append(f"update {update} param {n}")
         out["params"] = [p.detach().clone() for p in net.parameters()]
         reducer = opt._reducer
+        out["cpp_hooks"] = reducer._native is not None and not reducer._handles
         out["dtypes"] = sorted({str(bk.buffer.dtype) for bk in reducer.buckets})
         out["grads_are_views"] = all(
             p.grad.untyped_storage().data_ptr() == buf.grad.untyped_storage().data_ptr()
@@ -208,10 +276,13 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fold", ["copy_then_divide", "fused"])
-def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, fold):
+@pytest.mark.parametrize("fold,hooks", [("copy_then_divide", "python_hooks"), ("fused", "python_hooks"),
+                                        ("copy_then_divide", "cpp_hooks")])
+def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, request, fold, hooks):
     """``fused`` (``LS_FAIRSEQ_FUSED_FOLD=1``): each complete bucket is copied and divided in one call of
-    ops.copy_div_ (its reference on the CPU) instead of a copy and a division of the whole range."""
+    ops.copy_div_ (its reference on the CPU) instead of a copy and a division of the whole range (with
+    the Python hooks; the C++ hooks fold in C++)."""
+    _choose_hooks(hooks, request, monkeypatch)
     if fold == "fused":
         monkeypatch.setenv("LS_FAIRSEQ_FUSED_FOLD", "1")
     else:
@@ -219,6 +290,7 @@ def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, m
     got = two_rank_results(_worker, tmp_path)
     for rank in (0, 1):
         out = got[rank]
+        assert out["cpp_hooks"] == (hooks == "cpp_hooks")
         assert out["mismatch"] == [], out["mismatch"]
         rounds = out["rounds"]
         assert rounds[0] is None  # the first update reduces after the backward, then installs the hooks
@@ -235,7 +307,7 @@ def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, m
         assert torch.equal(a, b)  # the replicas stay identical
 
 
-def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive():
+def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive(hooks, monkeypatch):
     """The post-accumulate-grad hooks live in autograd's C++ state, out of the garbage collector's
     sight. Had they held the reducer strongly, the reducer, its DDP wrapper (``arm``) and the
     wrapper's process group would stay alive as long as the parameters, and a gloo group would
@@ -252,8 +324,12 @@ def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive():
     net = torch.nn.Linear(4, 3)
     ws = FlatWorkspace(list(net.parameters()))
     wrapper = Wrapper()
+    _use_built_hooks(monkeypatch)
     reducer = OverlappedReducer([ws], 2, None, arm=wrapper)
-    assert reducer._handles  # one hook per trainable parameter
+    if hooks == "cpp_hooks":  # one hook per trainable parameter
+        assert reducer._native.num_hooks == 2 and not reducer._handles
+    else:
+        assert len(reducer._handles) == 2 and reducer._native is None
     gone, wrapper_gone = weakref.ref(reducer), weakref.ref(wrapper)
     gc.disable()  # freed by reference counting alone, not by a later collection
     try:

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "torch/adapter.h"
+#include "torch/grad_buckets.h"
 #include "torch/ops.h"
 
 namespace py = pybind11;
@@ -85,4 +86,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
   m.def("ag_linear", guarded(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = none);
+  bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

@@ -10,8 +10,14 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   is the tail of the buffer. With several buffers (say fp32 and fp16 parameters) each gets
   buckets of its own; one global order interleaves them by the position of each bucket's
   first parameter in the optimizer's parameter list (:func:`bucket_order`).
-* Hooks. Every trainable parameter carries a post-accumulate-grad hook. When it fires while
-  the reduction is armed, it counts the parameter done. The hook that completes a bucket
+* Hooks. Every trainable parameter carries a hook that runs after its gradient is accumulated.
+  When it fires while the reduction is armed, it counts the parameter done. Where the extension
+  has them (``ls_fairseq._C.GradBuckets``, csrc/torch/grad_buckets.cpp) the hooks sit on the
+  parameters' gradient accumulators in C++: they count and fold without Python and call it once
+  per backward (to ask whether the round is armed) and once per complete bucket (to launch its
+  collective), instead of once per parameter with a Python loop per bucket.
+  ``LS_FAIRSEQ_CPP_HOOKS=0`` (or ``LS_FAIRSEQ_FUSED_FOLD=1``) keeps the Python
+  post-accumulate-grad hooks; both do the same. The hook that completes a bucket
   writes the bucket's gradients into its range of the flat buffer in one multi-tensor copy,
   divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
   fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
@@ -59,6 +65,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ls_fairseq import _ext
 from ls_fairseq.optim.workspace import FlatBuffer, FlatWorkspace
 
 logger = logging.getLogger(__name__)
@@ -144,6 +151,23 @@ class _Round:
         self.tasks = set()              # autograd graph tasks that will call back when they end
 
 
+_WRITTEN_AGAIN = (
+    "ls_adam overlapped all-reduce: a parameter's gradient was written again after it had been "
+    "averaged for the all-reduce: a second backward pass before optimizer.all_reduce_grads(model) "
+    "(run every backward but the last of an update inside model.no_sync(), as fairseq's Trainer "
+    "does for --update-freq), or a parameter used both inside and outside a reentrant activation "
+    "checkpoint. LS_FAIRSEQ_SYNC_ALL_REDUCE=1 all-reduces after the backward instead."
+)
+
+
+def _grad_buckets_class():
+    """The extension's C++ hooks (``ls_fairseq._C.GradBuckets``), or None: not built, or
+    ``LS_FAIRSEQ_CPP_HOOKS=0``."""
+    if os.environ.get("LS_FAIRSEQ_CPP_HOOKS", "1").strip() == "0":
+        return None
+    return getattr(_ext.get(), "GradBuckets", None)
+
+
 # the running autograd graph task, and the node being evaluated (None outside any backward, also in
 # the end-of-backward callback of an outermost backward; in a reentrant backward's it is the outer node)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
@@ -188,13 +212,27 @@ class OverlappedReducer:
         # LS_FAIRSEQ_FUSED_FOLD=1: copy and divide each complete bucket in one pass (ops.copy_div_)
         self.fused_fold = os.environ.get("LS_FAIRSEQ_FUSED_FOLD") == "1"
         self._handles = []
+        self._native = None  # the C++ hooks (GradBuckets), when used
+        native_cls = None if self.fused_fold else _grad_buckets_class()
+        if native_cls is not None:
+            first = [0]
+            for size in self._sizes:
+                first.append(first[-1] + size)
+            self._native = native_cls(
+                [buf.params[i] for buf, i, _ in self._slots], [buf.grad_view(i) for buf, i, _ in self._slots],
+                first, [bk.flat for bk in self.buckets], world_size, self._events())
         for s, (buf, i, n) in enumerate(self._slots):
             p = buf.params[i]
-            if p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
+            if not p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
+                continue
+            if self._native is not None:
+                self._native.attach(s)
+            else:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(s)))
         logger.info(
-            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB)",
+            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB, %s hooks)",
             "reduce-scatter" if shard else "all-reduce", len(self.buckets), bucket_bytes / 2**20,
+            "Python" if self._native is None else "C++",
         )
 
     @property
@@ -212,6 +250,8 @@ class OverlappedReducer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._native is not None:
+            self._native.remove()
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, slot: int):
@@ -235,20 +275,8 @@ class OverlappedReducer:
         if r is None:
             r = self._round = _Round(len(self._slots), list(self._sizes))
         elif r.ended or r.done[slot] or self.arm.accumulate_grads:
-            raise RuntimeError(
-                "ls_adam overlapped all-reduce: a parameter's gradient was written again after it had been "
-                "averaged for the all-reduce: a second backward pass before optimizer.all_reduce_grads(model) "
-                "(run every backward but the last of an update inside model.no_sync(), as fairseq's Trainer "
-                "does for --update-freq), or a parameter used both inside and outside a reentrant activation "
-                "checkpoint. LS_FAIRSEQ_SYNC_ALL_REDUCE=1 all-reduces after the backward instead."
-            )
-        task = _graph_task_id()
-        if task not in r.tasks:  # a reentrant backward (activation checkpointing) is a task of its own
-            r.tasks.add(task)
-            try:
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(r))
-            except RuntimeError:  # not inside an autograd backward: finish() does the rest
-                pass
+            raise RuntimeError(_WRITTEN_AGAIN)
+        self._enter_task(r, _graph_task_id())
         n = self._slots[slot][2]
         r.done[slot] = 1
         r.pending[n] -= 1
@@ -256,6 +284,45 @@ class OverlappedReducer:
             self._fold(n)
             if n == r.next:
                 r.early += self._launch_ready(r)
+
+    def _enter_task(self, r: _Round, task: int):
+        """The round's first gradient from autograd graph task ``task``: queue the end-of-backward
+        callback there (a reentrant backward, as activation checkpointing runs, is a task of its own)."""
+        if task in r.tasks:
+            return
+        r.tasks.add(task)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(r))
+        except RuntimeError:  # not inside an autograd backward: finish() does the rest
+            pass
+
+    def _events(self):
+        """The C++ hooks' callback (csrc/torch/grad_buckets.cpp), holding the reducer weakly (see
+        :meth:`_hook`). The hooks keep the per-parameter state; the round's ``pending`` here is per
+        bucket (zero once folded) and its ``done`` is not used."""
+        me = weakref.ref(self)
+
+        def on_event(kind: int, value: int):
+            reducer = me()
+            if reducer is None:
+                return False
+            if kind == 0:  # the first gradient of graph task `value`: is the round armed for it?
+                r = reducer._round
+                if r is None:
+                    if reducer.arm.accumulate_grads:
+                        return False  # not armed: the gradients accumulate locally
+                    r = reducer._round = _Round(0, list(reducer._sizes))
+                elif r.ended or reducer.arm.accumulate_grads:
+                    raise RuntimeError(_WRITTEN_AGAIN)
+                reducer._enter_task(r, value)
+                return True
+            r = reducer._round  # kind 1: bucket `value` is complete and folded
+            r.pending[value] = 0
+            if value == r.next:
+                r.early += reducer._launch_ready(r)
+            return True
+
+        return on_event
 
     @torch.no_grad()
     def _fold(self, n: int):
@@ -295,7 +362,10 @@ class OverlappedReducer:
         path) and launch every bucket not launched yet."""
         s = missed = 0
         for n, size in enumerate(self._sizes):
-            if r.pending[n]:  # not folded yet (a complete bucket was folded by its last hook)
+            if r.pending[n] and self._native is not None:  # the C++ hooks know which parameters are done
+                missed += self._native.fold(n)
+                r.pending[n] = 0
+            elif r.pending[n]:  # not folded yet (a complete bucket was folded by its last hook)
                 for slot in range(s, s + size):
                     if not r.done[slot]:
                         buf, i, _ = self._slots[slot]
@@ -306,6 +376,8 @@ class OverlappedReducer:
             s += size
         self._launch_ready(r)
         r.ended = True
+        if self._native is not None:
+            self._native.end()
         if missed and not self._told_missed:
             self._told_missed = True
             logger.info(
@@ -334,6 +406,8 @@ class OverlappedReducer:
                 w.wait()
         finally:
             self._round = None
+            if self._native is not None:
+                self._native.reset()
         return True
 
 
