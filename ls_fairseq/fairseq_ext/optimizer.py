@@ -185,6 +185,16 @@ class LSFairseqAdam(FairseqOptimizer):
         if shard:
             # the gradients of this update were all-reduced whole: the step may already be sharded
             self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group, peers=peers)
+            if peers:
+                import torch.distributed as dist
+
+                from ls_fairseq.optim.peer import map_peer_inboxes
+
+                boxes = map_peer_inboxes(self._optimizer.workspaces, dist.get_rank(group), ddp.world_size, group)
+                if isinstance(boxes, str):
+                    logger.info("ls_adam: gradient parts reduce-scattered by NCCL (no peer copies: %s)", boxes)
+                else:
+                    reducer.use_peer_copies(boxes)
             logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, %s)",
                         ddp.world_size, ddp.world_size,
                         "writing the new weights on both GPUs" if peers else "then an all-gather of the weights")

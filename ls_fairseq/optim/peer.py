@@ -56,23 +56,58 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     copy of that buffer's weights, addressable from this device}``; None on every rank when any rank
     cannot (logged as "``fallback`` (no peer writes: the reason)")."""
     group = group if group is not None else dist.group.WORLD
-    reason = _why_not(workspaces, world_size, group)
     buffers = [buf for ws in workspaces for buf in ws.buffers]
-    fresh = {}
+    mapped = _map_symmetric([(buf.numel, buf.param.dtype) for buf in buffers], buffers[0].device, rank, group,
+                            _why_not(workspaces, world_size, group))
+    if isinstance(mapped, str):
+        logger.info("ls_adam: %s (no peer writes: %s)", fallback, mapped)
+        return None
+    mine, peers, handles = mapped
+    for buf, t, handle in zip(buffers, mine, handles):
+        buf.move_params_to(t, keep_alive=handle)  # the mapping lives as long
+    logger.info("ls_adam: each rank writes its half of the new weights into the other GPU's copy directly "
+                "(%d buffers in symmetric memory)", len(buffers))
+    return {id(buf): t for buf, t in zip(buffers, peers)}
+
+
+def map_peer_inboxes(workspaces: Sequence[FlatWorkspace], rank: int, world_size: int, group=None):
+    """Collective: one gradient-sized "inbox" per flat buffer in symmetric memory, into which the
+    other rank copies its gradients of this rank's parts (:meth:`OverlappedReducer.use_peer_copies
+    <ls_fairseq.optim.overlap.OverlappedReducer.use_peer_copies>`). Returns ``[(this rank's inbox,
+    the peer's inbox addressable from this device, the mapping's handle)]`` in buffer order, or the
+    reason why not (a string, the same on every rank)."""
+    group = group if group is not None else dist.group.WORLD
+    buffers = [buf for ws in workspaces for buf in ws.buffers]
+    reason = _why_not(workspaces, world_size, group)
+    if reason is None and os.environ.get("LS_FAIRSEQ_PEER_REDUCE", "1") == "0":
+        reason = "LS_FAIRSEQ_PEER_REDUCE=0"
+    mapped = _map_symmetric([(buf.numel, buf.grad.dtype) for buf in buffers], buffers[0].device, rank, group,
+                            reason)
+    if isinstance(mapped, str):
+        return mapped
+    for t in mapped[0]:
+        t.zero_()
+    return list(zip(*mapped))
+
+
+def _map_symmetric(specs, device: torch.device, rank: int, group, reason: Optional[str]):
+    """Collective: one tensor per ``(numel, dtype)`` of ``specs`` in symmetric memory on ``device`` and the
+    peer's of each, addressable from here: ``(mine, peers, handles)``, or the reason why not (a string,
+    the same on every rank: when any rank cannot, none does)."""
+    fresh = []
     if reason is None:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            for buf in buffers:  # filled by move_params_to once every rank has mapped
-                fresh[id(buf)] = symm_mem.empty(buf.numel, dtype=buf.param.dtype, device=buf.device)
+            fresh = [symm_mem.empty(n, dtype=dtype, device=device) for n, dtype in specs]
         except Exception as e:  # noqa: BLE001 - allocation refused: fall back on every rank
-            reason, fresh = f"symmetric memory allocation failed ({e})", {}
+            reason, fresh = f"symmetric memory allocation failed ({e})", []
     # every rank must be able to, and all on one host: (min of "able", min and max of a host checksum)
     host = zlib.crc32(socket.gethostname().encode())
-    device = buffers[0].device if reason is None else torch.device("cpu")
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    votes = torch.tensor([int(reason is None), host, -host], dtype=torch.int64, device=device)
+    vote_device = device if reason is None else torch.device("cpu")
+    if dist.get_backend(group) == "nccl" and vote_device.type != "cuda":
+        vote_device = torch.device("cuda", torch.cuda.current_device())
+    votes = torch.tensor([int(reason is None), host, -host], dtype=torch.int64, device=vote_device)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
     able, lo, neg_hi = (int(v) for v in votes.tolist())
     if reason is None and not able:
@@ -80,27 +115,21 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     elif reason is None and lo != -neg_hi:
         reason = "the ranks run on different hosts"
     if reason is not None:
-        logger.info("ls_adam: %s (no peer writes: %s)", fallback, reason)
-        return None
+        return reason
     import torch.distributed._symmetric_memory as symm_mem
 
-    peer, peers, handles = 1 - rank, {}, {}
+    peer, peers, handles = 1 - rank, [], []
     try:
-        for buf in buffers:
-            t = fresh[id(buf)]
-            handles[id(buf)] = handle = symm_mem.rendezvous(t, group)
-            peers[id(buf)] = handle.get_buffer(peer, (buf.numel,), t.dtype, 0)
-        mapped = all(v.device == buf.device for buf, v in zip(buffers, peers.values()))
-        reason = None if mapped else "the peer's weights are not addressable from this device"
+        for t in fresh:
+            handle = symm_mem.rendezvous(t, group)
+            handles.append(handle)
+            peers.append(handle.get_buffer(peer, (t.numel(),), t.dtype, 0))
+        ok = all(v.device == t.device for t, v in zip(fresh, peers))
+        reason = None if ok else "the peer's memory is not addressable from this device"
     except Exception as e:  # noqa: BLE001 - e.g. two GPUs without peer access: every rank falls back together
         reason = f"symmetric memory mapping failed ({e})"
-    ok = torch.tensor([int(reason is None)], dtype=torch.int32, device=buffers[0].device)
+    ok = torch.tensor([int(reason is None)], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if int(ok.item()) == 0:
-        logger.info("ls_adam: %s (no peer writes: %s)", fallback, reason or "another rank cannot")
-        return None
-    for buf in buffers:
-        buf.move_params_to(fresh[id(buf)], keep_alive=handles[id(buf)])  # the mapping lives as long
-    logger.info("ls_adam: each rank writes its half of the new weights into the other GPU's copy directly "
-                "(%d buffers in symmetric memory)", len(buffers))
-    return peers
+        return reason or "another rank cannot"
+    return fresh, peers, handles

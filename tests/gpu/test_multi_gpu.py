@@ -131,3 +131,28 @@ def test_fused_fold_takes_the_same_updates_on_two_gpus(data_bin, tmp_path, shard
         for k in ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"):
             assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
     assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("fused", "plain")))
+
+
+@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
+def test_peer_copies_take_the_updates_of_nccl_reduce_scatter(data_bin, tmp_path, precision):  # noqa: F811
+    """On two GPUs of one host the sharded reduction copies each complete bucket's other part into the
+    other GPU's inbox by a copy engine (the default); ``LS_FAIRSEQ_PEER_REDUCE=0`` reduce-scatters with
+    NCCL instead. One addition of two numbers per element either way: the same updates bit for bit
+    (rounds alternate between the two halves of the inbox: ten updates use both) and the same
+    checkpoint."""
+    _need_two_gpus()
+    flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
+             "--grouped-shuffling", "--disable-validation"]
+    runs = {}
+    for name, env in (("peer", {}), ("nccl", {"LS_FAIRSEQ_PEER_REDUCE": "0"})):
+        (tmp_path / name).mkdir()
+        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
+                                              backend="nccl")
+    assert "copied to the other GPU by a copy engine" in (tmp_path / "peer" / "rank0.log").read_text()
+    assert "no peer copies: LS_FAIRSEQ_PEER_REDUCE=0" in (tmp_path / "nccl" / "rank0.log").read_text()
+    a, b = runs["peer"], runs["nccl"]
+    assert sorted(a) == sorted(b) and len(a) >= 8
+    for u in a:
+        for k in ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"):
+            assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
+    assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("peer", "nccl")))
