@@ -378,3 +378,71 @@ def test_peer_mapping_needs_every_rank_on_one_host(tmp_path):
                             (0, "mapping_fails_on_one", "another rank cannot"), (1, "mapping_fails_on_one", refused)):
         none, unmoved, lines = got[rank][case]
         assert none and unmoved and lines == [f"ls_adam: sharded weights are all-gathered (no peer writes: {why})"]
+
+
+# --------------------------------------------------------------------------- peer copies
+def _peer_copies_worker(rank, port, out_dir):
+    """Two reducers over two identical _Net replicas, both sharded: one reduce-scatters with gloo, the
+    other copies the other rank's halves into its inbox. Here the inboxes are files both processes map
+    (shared memory stands in for symmetric memory); CPU copies are synchronous. The owned halves must
+    agree bit for bit in every round, across both halves of the inbox (rounds alternate between them)."""
+    import datetime
+
+    from ls_fairseq.optim.overlap import OverlappedReducer
+    from test_overlap import _Net
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+
+    class Arm:
+        accumulate_grads = False
+
+    out = {"mismatch": [], "rounds": 0, "buckets": 0}
+    try:
+        nets = {name: _Net() for name in ("copies", "scatter")}
+        spaces = {name: FlatWorkspace(list(net.parameters())) for name, net in nets.items()}
+        reducers = {name: OverlappedReducer([ws], 2, dist.group.WORLD, arm=Arm(), bucket_bytes=256, shard=True)
+                    for name, ws in spaces.items()}
+        inboxes = []
+        for i, buf in enumerate(spaces["copies"].buffers):
+            path = lambda r: os.path.join(str(out_dir), f"inbox{i}_rank{r}.bin")  # noqa: E731
+            t = {r: torch.from_file(path(r), shared=True, size=buf.numel, dtype=buf.grad.dtype) for r in (0, 1)}
+            inboxes.append((t[rank], t[1 - rank], None))
+        dist.barrier()  # both ranks' files exist before any copy
+        reducers["copies"].use_peer_copies(inboxes)
+        out["buckets"] = len(reducers["copies"].buckets)
+        for update in range(5):
+            for name, net in nets.items():
+                for p in net.parameters():
+                    p.grad = None
+                _loss(net, rank, update, 0, update != 3).backward()
+                assert reducers[name].finish()
+            reducer = reducers["copies"]
+            for n, own in enumerate(reducer._own):
+                if not torch.equal(own, reducers["scatter"]._own[n]):
+                    out["mismatch"].append(f"update {update} bucket {n}")
+            out["rounds"] = reducer._peer_rounds
+        save_rank_result(out_dir, rank, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_peer_copies_equal_the_reduce_scatter_on_two_ranks(tmp_path):
+    got = two_rank_results(_peer_copies_worker, tmp_path)
+    for out in got:
+        assert out["mismatch"] == [], out["mismatch"]
+        assert out["rounds"] == 5 and out["buckets"] >= 4
+
+
+def test_peer_copies_check_their_inboxes():
+    from ls_fairseq.optim.overlap import OverlappedReducer
+
+    class Arm:
+        accumulate_grads = False
+
+    net = torch.nn.Linear(16, 16)
+    ws = FlatWorkspace(list(net.parameters()))
+    whole = OverlappedReducer([ws], 2, None, arm=Arm(), bucket_bytes=256)
+    with pytest.raises(ValueError, match="sharded over two ranks"):
+        whole.use_peer_copies([(torch.zeros_like(ws.buffers[0].grad),) * 2 + (None,)])
+    whole.remove()

@@ -280,7 +280,9 @@ class OverlappedReducer:
             outgoing[1].append((theirs[olo:ohi], bk.buffer.grad[plo:phi]))
         device = self.buffers[0].grad.device
         flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self._peer = (torch.cuda.Stream(device=device), incoming, outgoing, flag, keep)
+        # CPU tensors (tests with gloo and shared memory) copy synchronously, without a stream
+        stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._peer = (stream, incoming, outgoing, flag, keep)
         logger.info("ls_adam: gradient parts copied to the other GPU by a copy engine (no NCCL reduce-scatter)")
 
     @property
@@ -394,10 +396,13 @@ class OverlappedReducer:
                 r.works.append(dist.all_reduce(flat, group=group, async_op=True))
             elif self._peer is not None:  # the other rank's part, into its inbox, from our copy stream
                 stream, _, outgoing = self._peer[:3]
-                stream.wait_stream(torch.cuda.current_stream(flat.device))
                 dst, src = outgoing[self._peer_rounds % 2][r.next]
-                with torch.cuda.stream(stream):
+                if stream is None:
                     dst.copy_(src)
+                else:
+                    stream.wait_stream(torch.cuda.current_stream(flat.device))
+                    with torch.cuda.stream(stream):
+                        dst.copy_(src)
             else:  # in place: the output is this rank's part of the input
                 r.works.append(dist.reduce_scatter_tensor(own[r.next], flat, group=group, async_op=True))
             r.next += 1
@@ -446,8 +451,8 @@ class OverlappedReducer:
         before it enters a one-element all-reduce; the other rank enters it after its own copies. So past
         it this round's half of the inbox holds the other rank's parts of this update."""
         stream, incoming, _, flag, _ = self._peer
-        current = torch.cuda.current_stream(flag.device)
-        current.wait_stream(stream)
+        if stream is not None:
+            torch.cuda.current_stream(flag.device).wait_stream(stream)
         dist.all_reduce(flag, group=self.process_group)
         torch._foreach_add_(self._own, incoming[self._peer_rounds % 2])
         self._peer_rounds += 1
