@@ -421,7 +421,7 @@ def _peer_copies_worker(rank, port, out_dir):
             for n, own in enumerate(reducer._own):
                 if not torch.equal(own, reducers["scatter"]._own[n]):
                     out["mismatch"].append(f"update {update} bucket {n}")
-            out["rounds"] = reducer._peer_rounds
+            out["rounds"] = reducer._peer.rounds
         save_rank_result(out_dir, rank, out)
     finally:
         dist.destroy_process_group()

@@ -43,24 +43,19 @@ namespace {
 using torch::autograd::variable_list;
 using Accumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
-constexpr const char* kWrittenAgain =
-    "ls_adam overlapped all-reduce: a parameter's gradient was written again after it had been averaged for "
-    "the all-reduce: the same parameter reached twice in one backward (used both inside and outside a "
-    "reentrant activation checkpoint), or a second backward pass before optimizer.all_reduce_grads(model). "
-    "LS_FAIRSEQ_SYNC_ALL_REDUCE=1 all-reduces after the backward instead.";
-
 enum Event { kTask = 0, kBucket = 1 };
 
 class GradBuckets {
  public:
   GradBuckets(std::vector<at::Tensor> params, std::vector<at::Tensor> views, std::vector<int64_t> first,
-              std::vector<at::Tensor> flats, int64_t divisor, py::object events)
+              std::vector<at::Tensor> flats, int64_t divisor, py::object events, std::string written_again)
       : params_(std::move(params)),
         views_(std::move(views)),
         first_(std::move(first)),
         flats_(std::move(flats)),
         divisor_(divisor),
         events_(std::move(events)),
+        written_again_(std::move(written_again)),
         done_(params_.size(), 0) {
     const int64_t slots = static_cast<int64_t>(params_.size());
     const int64_t buckets = static_cast<int64_t>(flats_.size());
@@ -191,7 +186,7 @@ class GradBuckets {
       last_task_ = task;
     }
     if (!last_armed_) return;  // not armed: the gradient accumulates locally
-    if (ended_ || done_[slot]) throw std::runtime_error(kWrittenAgain);
+    if (ended_ || done_[slot]) throw std::runtime_error(written_again_);
     done_[slot] = 1;
     const int64_t n = bucket_[slot];
     if (--pending_[n] == 0) {
@@ -205,6 +200,7 @@ class GradBuckets {
   std::vector<at::Tensor> flats_;
   int64_t divisor_;
   py::object events_;
+  std::string written_again_;  // the error for a gradient that arrives twice in a round (the reducer's words)
   std::vector<uint8_t> done_;
   std::vector<int64_t> bucket_, sizes_, pending_;
   int64_t last_task_ = -1;
@@ -218,9 +214,9 @@ void bind_grad_buckets(py::module_& m) {
   py::class_<GradBuckets, std::shared_ptr<GradBuckets>>(
       m, "GradBuckets", "gradient-ready counting and bucket folding for the overlapped all-reduce (grad_buckets.cpp)")
       .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
-                    int64_t, py::object>(),
+                    int64_t, py::object, std::string>(),
            py::arg("params"), py::arg("views"), py::arg("first"), py::arg("flats"), py::arg("divisor"),
-           py::arg("events"))
+           py::arg("events"), py::arg("written_again"))
       .def("attach", &GradBuckets::attach, py::arg("slot"))
       .def("remove", &GradBuckets::remove)
       .def(

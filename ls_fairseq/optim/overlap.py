@@ -222,8 +222,7 @@ class OverlappedReducer:
         self._told_missed = False
         # LS_FAIRSEQ_FUSED_FOLD=1: copy and divide each complete bucket in one pass (ops.copy_div_)
         self.fused_fold = os.environ.get("LS_FAIRSEQ_FUSED_FOLD") == "1"
-        self._peer = None  # see use_peer_copies
-        self._peer_rounds = 0  # rounds received with peer copies (their parity picks the inbox half)
+        self._peer = None  # _PeerCopies, see use_peer_copies
         self._handles = []
         self._native = None  # the C++ hooks (GradBuckets), when used
         native_cls = None if self.fused_fold else _grad_buckets_class()
@@ -233,7 +232,7 @@ class OverlappedReducer:
                 first.append(first[-1] + size)
             self._native = native_cls(
                 [buf.params[i] for buf, i, _ in self._slots], [buf.grad_view(i) for buf, i, _ in self._slots],
-                first, [bk.flat for bk in self.buckets], world_size, self._events())
+                first, [bk.flat for bk in self.buckets], world_size, self._events(), _WRITTEN_AGAIN)
         for s, (buf, i, n) in enumerate(self._slots):
             p = buf.params[i]
             if not p.requires_grad:  # a frozen parameter's slice is filled at the end of the backward
@@ -266,9 +265,6 @@ class OverlappedReducer:
                     raise ValueError("peer copies: an inbox must match its flat gradient buffer")
             box[id(buf)] = (mine, theirs)
         peer = 1 - self.rank
-        # per round parity: [(what the other rank copied for our part, the part we own)], and
-        # [(where our copy of the other rank's part goes, that part)]; even rounds use the receiver's own
-        # range of its inbox, odd rounds the other range
         incoming, outgoing = ([], []), ([], [])
         for n, bk in enumerate(self.buckets):
             mine, theirs = box[id(bk.buffer)]
@@ -278,11 +274,7 @@ class OverlappedReducer:
             incoming[1].append(mine[plo:phi])
             outgoing[0].append((theirs[plo:phi], bk.buffer.grad[plo:phi]))
             outgoing[1].append((theirs[olo:ohi], bk.buffer.grad[plo:phi]))
-        device = self.buffers[0].grad.device
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        # CPU tensors (tests with gloo and shared memory) copy synchronously, without a stream
-        stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._peer = (stream, incoming, outgoing, flag, keep)
+        self._peer = _PeerCopies(self.buffers[0].grad.device, incoming, outgoing, keep)
         logger.info("ls_adam: gradient parts copied to the other GPU by a copy engine (no NCCL reduce-scatter)")
 
     @property
@@ -321,10 +313,8 @@ class OverlappedReducer:
         return hook
 
     def _ready(self, slot: int, p: torch.Tensor):
-        r = self._round
-        if r is None:
-            r = self._round = _Round(len(self._slots), list(self._sizes))
-        elif r.ended or r.done[slot] or self.arm.accumulate_grads:
+        r = self._armed_round()  # not None: the hook returned already when nothing is armed
+        if r.done[slot]:
             raise RuntimeError(_WRITTEN_AGAIN)
         self._enter_task(r, _graph_task_id())
         n = self._slots[slot][2]
@@ -332,8 +322,27 @@ class OverlappedReducer:
         r.pending[n] -= 1
         if r.pending[n] == 0:
             self._fold(n)
-            if n == r.next:
-                r.early += self._launch_ready(r)
+            self._folded(r, n)
+
+    def _armed_round(self):
+        """The round a gradient arriving now belongs to: the current one, a new one when the reduction
+        is armed and none runs, None when it is not armed (the gradient accumulates locally). A gradient
+        after the round's end-of-backward fill, or from a backward inside ``no_sync()`` while a round
+        runs, would land in slices already averaged: RuntimeError."""
+        r = self._round
+        if r is None:
+            if self.arm.accumulate_grads:
+                return None
+            r = self._round = _Round(len(self._slots), list(self._sizes))
+        elif r.ended or self.arm.accumulate_grads:
+            raise RuntimeError(_WRITTEN_AGAIN)
+        return r
+
+    def _folded(self, r: _Round, n: int):
+        """Bucket ``n`` is folded: launch it and every complete bucket after it, when it is next in order."""
+        r.pending[n] = 0
+        if n == r.next:
+            r.early += self._launch_ready(r)
 
     def _enter_task(self, r: _Round, task: int):
         """The round's first gradient from autograd graph task ``task``: queue the end-of-backward
@@ -357,19 +366,12 @@ class OverlappedReducer:
             if reducer is None:
                 return False
             if kind == 0:  # the first gradient of graph task `value`: is the round armed for it?
-                r = reducer._round
+                r = reducer._armed_round()
                 if r is None:
-                    if reducer.arm.accumulate_grads:
-                        return False  # not armed: the gradients accumulate locally
-                    r = reducer._round = _Round(0, list(reducer._sizes))
-                elif r.ended or reducer.arm.accumulate_grads:
-                    raise RuntimeError(_WRITTEN_AGAIN)
+                    return False
                 reducer._enter_task(r, value)
                 return True
-            r = reducer._round  # kind 1: bucket `value` is complete and folded
-            r.pending[value] = 0
-            if value == r.next:
-                r.early += reducer._launch_ready(r)
+            reducer._folded(reducer._round, value)  # kind 1: bucket `value` is complete and folded
             return True
 
         return on_event
@@ -395,14 +397,7 @@ class OverlappedReducer:
             if own is None:
                 r.works.append(dist.all_reduce(flat, group=group, async_op=True))
             elif self._peer is not None:  # the other rank's part, into its inbox, from our copy stream
-                stream, _, outgoing = self._peer[:3]
-                dst, src = outgoing[self._peer_rounds % 2][r.next]
-                if stream is None:
-                    dst.copy_(src)
-                else:
-                    stream.wait_stream(torch.cuda.current_stream(flat.device))
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src)
+                self._peer.send(r.next)
             else:  # in place: the output is this rank's part of the input
                 r.works.append(dist.reduce_scatter_tensor(own[r.next], flat, group=group, async_op=True))
             r.next += 1
@@ -421,16 +416,16 @@ class OverlappedReducer:
         path) and launch every bucket not launched yet."""
         s = missed = 0
         for n, size in enumerate(self._sizes):
-            if r.pending[n] and self._native is not None:  # the C++ hooks know which parameters are done
-                missed += self._native.fold(n)
-                r.pending[n] = 0
-            elif r.pending[n]:  # not folded yet (a complete bucket was folded by its last hook)
-                for slot in range(s, s + size):
-                    if not r.done[slot]:
-                        buf, i, _ = self._slots[slot]
-                        missed += buf.params[i].requires_grad
-                        r.done[slot] = 1
-                self._fold(n)
+            if r.pending[n]:  # not folded yet (a complete bucket was folded by its last hook)
+                if self._native is not None:  # the C++ hooks know which parameters are done
+                    missed += self._native.fold(n)
+                else:
+                    for slot in range(s, s + size):
+                        if not r.done[slot]:
+                            buf, i, _ = self._slots[slot]
+                            missed += buf.params[i].requires_grad
+                            r.done[slot] = 1
+                    self._fold(n)
                 r.pending[n] = 0
             s += size
         self._launch_ready(r)
@@ -444,18 +439,6 @@ class OverlappedReducer:
                 "the first of them and all buckets after it were all-reduced after the backward (said once)",
                 missed,
             )
-
-    def _receive(self):
-        """Peer copies: wait (on the GPU) until both ranks' copies are done, then add the inbox to the
-        owned parts. The copies of this rank are on its copy stream, which the current stream waits for
-        before it enters a one-element all-reduce; the other rank enters it after its own copies. So past
-        it this round's half of the inbox holds the other rank's parts of this update."""
-        stream, incoming, _, flag, _ = self._peer
-        if stream is not None:
-            torch.cuda.current_stream(flag.device).wait_stream(stream)
-        dist.all_reduce(flag, group=self.process_group)
-        torch._foreach_add_(self._own, incoming[self._peer_rounds % 2])
-        self._peer_rounds += 1
 
     # ----------------------------------------------------------------- finish
     @property
@@ -476,12 +459,48 @@ class OverlappedReducer:
             for w in r.works:
                 w.wait()
             if self._peer is not None:
-                self._receive()
+                self._peer.receive(self._own, self.process_group)
         finally:
             self._round = None
             if self._native is not None:
                 self._native.reset()
         return True
+
+
+class _PeerCopies:
+    """The state of :meth:`OverlappedReducer.use_peer_copies`: per round parity (even rounds use the
+    receiver's own range of its inbox, odd rounds the other range) ``incoming[parity][n]`` (what the other
+    rank copied for our part of bucket n) and ``outgoing[parity][n]`` (where our copy of its part goes,
+    that part). CPU tensors (tests with gloo and shared memory) copy synchronously, without a stream."""
+
+    __slots__ = ("stream", "incoming", "outgoing", "flag", "keep", "rounds")
+
+    def __init__(self, device: torch.device, incoming, outgoing, keep):
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.incoming, self.outgoing, self.keep = incoming, outgoing, keep
+        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.rounds = 0  # rounds received (their parity picks the inbox half)
+
+    def send(self, n: int):
+        """Copy bucket ``n``'s part of the other rank into its inbox (after the work queued so far)."""
+        dst, src = self.outgoing[self.rounds % 2][n]
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src)
+
+    def receive(self, own: List[torch.Tensor], group):
+        """Wait (on the GPU) until both ranks' copies are done, then add the inbox to the owned parts
+        ``own``. The copies of this rank are on its copy stream, which the current stream waits for before
+        it enters a one-element all-reduce; the other rank enters it after its own copies. So past it this
+        round's half of the inbox holds the other rank's parts of this update."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.flag.device).wait_stream(self.stream)
+        dist.all_reduce(self.flag, group=group)
+        torch._foreach_add_(own, self.incoming[self.rounds % 2])
+        self.rounds += 1
 
 
 __all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "SHARD_ALIGN_ELEMENTS", "bucket_order", "plan_buckets",
