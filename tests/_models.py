@@ -75,11 +75,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_main(rank, worker, port, out_dir):
+    # before the worker joins a process group, as the plugin's import does in every fairseq process
+    # (ls_fairseq/fairseq_ext/compat.py: otherwise the first optimizer's import of this module keeps
+    # the default group alive, and a gloo thread can abort the rank at exit)
+    import torch.distributed.nn.functional  # noqa: F401
+
+    worker(rank, port, out_dir)
+
+
 def spawn_two_ranks(worker, out_dir):
     """Run ``worker(rank, port, out_dir)`` in two processes (torch.multiprocessing.spawn)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(worker, free_port(), str(out_dir)), nprocs=2, join=True)
 
 
 def save_rank_result(out_dir, rank: int, result) -> None:

@@ -5,10 +5,12 @@ Python post-accumulate-grad hooks, and the C++ hooks of csrc/torch/grad_buckets.
 as a module of its own (the extension ls_fairseq._C carries the same file on GPU machines)."""
 
 import datetime
+import gc
 import importlib
 import os
 import shutil
 import sys
+import weakref
 
 import pytest
 import torch
@@ -177,7 +179,7 @@ def _loss(model, rank, update, micro, use_extra):
 def _replicas(rank, port):
     """Join the two-rank gloo group; two identical _Net replicas, each with ls_adam (256-byte buckets):
     ``net`` under fairseq's legacy DDP wrapper, ``ref`` bare. Returns SimpleNamespace(net, ref, ddp,
-    wrapped, opt, ref_opt, names)."""
+    wrapped, opt, ref_opt, names, group: a weak reference to the process group)."""
     from types import SimpleNamespace
 
     import ls_fairseq.fairseq_ext  # noqa: F401
@@ -195,12 +197,22 @@ def _replicas(rank, port):
     return SimpleNamespace(net=net, ref=ref, ddp=ddp, wrapped=ModuleProxyWrapper(ddp),
                            opt=LSFairseqAdam(cfg, list(net.parameters())),
                            ref_opt=LSFairseqAdam(cfg, list(ref.parameters())),
-                           names=[n for n, _ in net.named_parameters()])
+                           names=[n for n, _ in net.named_parameters()], group=weakref.ref(dist.group.WORLD))
 
 
 def _worker(rank, port, out_dir):
+    """:func:`_train`, then check that the gloo group is gone: freed, its threads joined, before the
+    interpreter shuts down (a rank whose group outlives it can abort at exit; see
+    ls_fairseq/fairseq_ext/compat.py and _models._rank_main)."""
+    group = _train(rank, port, out_dir)
+    gc.collect()
+    assert group() is None, "the process group outlived destroy_process_group() and every replica"
+
+
+def _train(rank, port, out_dir):
     r = _replicas(rank, port)
     net, ref, ddp, wrapped, opt, ref_opt, names = r.net, r.ref, r.ddp, r.wrapped, r.opt, r.ref_opt, r.names
+    group = r.group
     out = {"mismatch": [], "rounds": []}
     try:
         # update-freq 1 and 2; `extra` is used on rank 0 only, and in update 4 on neither; updates 2
@@ -274,6 +286,7 @@ def _worker(rank, port, out_dir):
         save_rank_result(out_dir, rank, out)
     finally:
         dist.destroy_process_group()
+    return group
 
 
 @pytest.mark.parametrize("fold,hooks", [("copy_then_divide", "python_hooks"), ("fused", "python_hooks"),

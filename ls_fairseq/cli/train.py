@@ -38,6 +38,10 @@ from typing import List, Optional
 
 from ls_fairseq.cli import _common
 
+# Workers that fairseq spawns import this module (for _train_main) before they join the process
+# group: the same early import as the plugin's (ls_fairseq/fairseq_ext/compat.py explains it).
+import torch.distributed.nn.functional  # noqa: E402,F401
+
 logger = logging.getLogger("ls_fairseq.cli.train")
 
 BF16_HELP = (
