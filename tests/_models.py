@@ -76,10 +76,11 @@ def free_port() -> int:
 
 
 def _rank_main(rank, worker, port, out_dir):
-    # before the worker joins a process group, as the plugin's import does in every fairseq process
-    # (ls_fairseq/fairseq_ext/compat.py: otherwise the first optimizer's import of this module keeps
-    # the default group alive, and a gloo thread can abort the rank at exit)
-    import torch.distributed.nn.functional  # noqa: F401
+    # before the worker joins a process group, as in every fairseq process with the plugin
+    # (otherwise the group can outlive destroy_process_group() and abort the rank at exit)
+    from ls_fairseq._collective_defaults import import_collective_defaults_early
+
+    import_collective_defaults_early()
 
     worker(rank, port, out_dir)
 

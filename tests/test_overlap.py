@@ -203,7 +203,7 @@ def _replicas(rank, port):
 def _worker(rank, port, out_dir):
     """:func:`_train`, then check that the gloo group is gone: freed, its threads joined, before the
     interpreter shuts down (a rank whose group outlives it can abort at exit; see
-    ls_fairseq/fairseq_ext/compat.py and _models._rank_main)."""
+    ls_fairseq/_collective_defaults.py and _models._rank_main)."""
     group = _train(rank, port, out_dir)
     gc.collect()
     assert group() is None, "the process group outlived destroy_process_group() and every replica"

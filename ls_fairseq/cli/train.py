@@ -36,11 +36,11 @@ import logging
 import sys
 from typing import List, Optional
 
+from ls_fairseq._collective_defaults import import_collective_defaults_early
 from ls_fairseq.cli import _common
 
-# Workers that fairseq spawns import this module (for _train_main) before they join the process
-# group: the same early import as the plugin's (ls_fairseq/fairseq_ext/compat.py explains it).
-import torch.distributed.nn.functional  # noqa: E402,F401
+# the workers that fairseq spawns import this module (for _train_main) before they join the group
+import_collective_defaults_early()
 
 logger = logging.getLogger("ls_fairseq.cli.train")
 

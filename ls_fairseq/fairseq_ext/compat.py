@@ -7,20 +7,15 @@ distributed.utils (every rank but the first unpickles the checkpoint state that 
 broadcasts when training resumes on several GPUs). Their loads get weights_only=False
 (checkpoints are the user's own files, as with any fairseq run); nothing else changes.
 
-torch.distributed.nn.functional gives its collectives ``group=group.WORLD`` as a default
-argument, evaluated when the module is first imported. torch.optim imports it (through
-torch._dynamo) when the first optimizer is built, which in fairseq's training happens after the
-process group exists: the defaults would then hold the default group for the rest of the
-process, ``destroy_process_group()`` could not free it, and its threads (gloo's workers, NCCL's
-watchdog) would still run when the interpreter shuts down. A gloo worker that releases a finished
-collective's tensors at that moment needs the GIL, is ended by the finalizing interpreter, and
-the process aborts ("terminate called without an active exception"). Importing the module here,
-before any group exists, makes those defaults None.
+The plugin also imports torch.distributed.nn.functional before any process group exists
+(ls_fairseq/_collective_defaults.py says why).
 """
 
 import functools
 
 import torch
+
+from ls_fairseq._collective_defaults import import_collective_defaults_early
 
 _PATCHED = False
 
@@ -49,14 +44,6 @@ def patch_checkpoint_loading():
     for module in (checkpoint_utils, distributed_utils):
         module.torch = _TorchProxy()
     _PATCHED = True
-
-
-def import_collective_defaults_early():
-    """Import torch.distributed.nn.functional while no process group exists (module docstring)."""
-    import torch.distributed as dist
-
-    if dist.is_available():
-        import torch.distributed.nn.functional  # noqa: F401
 
 
 patch_checkpoint_loading()
