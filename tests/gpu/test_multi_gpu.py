@@ -30,6 +30,28 @@ def _one_gpu(data, save_dir, flags, runner=None):
     return train_inner_records(out)
 
 
+def _ten_updates_per_setting(data_bin, tmp_path, precision, settings):
+    """lightseq-train on two GPUs (NCCL), ten updates from the same batches (dropout 0, grouped shuffling),
+    once per ``(name, env)`` of ``settings``, each in ``tmp_path / name``: {name: train_inner records by
+    update}."""
+    flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
+             "--grouped-shuffling", "--disable-validation"]
+    runs = {}
+    for name, env in settings:
+        (tmp_path / name).mkdir()
+        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
+                                              backend="nccl")
+    return runs
+
+
+def _assert_same_updates(a, b, keys):
+    """Two runs' train_inner records agree exactly in ``keys`` at every update (at least 8 logged)."""
+    assert sorted(a) == sorted(b) and len(a) >= 8
+    for u in a:
+        for k in keys:
+            assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
+
+
 @pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
 def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_path, precision):  # noqa: F811
     from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
@@ -67,16 +89,11 @@ def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, pre
     norm, summed in another order, only decides overflows), and its checkpoint holds the same whole
     state."""
     _need_two_gpus()
-    flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
-             "--grouped-shuffling", "--disable-validation"]
     sharded_env = {"LS_FAIRSEQ_SHARD_ADAM": "1", "LS_FAIRSEQ_SHARD_P2P": "0" if peer == "all_gathers" else "1"}
     if peer == "default":
         sharded_env = {}
-    runs = {}
-    for name, env in (("sharded", sharded_env), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})):
-        (tmp_path / name).mkdir()
-        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
-                                              backend="nccl")
+    runs = _ten_updates_per_setting(data_bin, tmp_path, precision,
+                                    (("sharded", sharded_env), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})))
     log = (tmp_path / "sharded" / "rank0.log").read_text()
     assert "optimizer state sharded over 2 ranks" in log
     if peer != "all_gathers":
@@ -85,10 +102,8 @@ def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, pre
         assert "then an all-gather of the weights" in log and "all-gathers layer by layer" in log
     assert "optimizer state sharded" not in (tmp_path / "whole" / "rank0.log").read_text()
     a, b = runs["sharded"], runs["whole"]
-    assert sorted(a) == sorted(b) and len(a) >= 8
+    _assert_same_updates(a, b, ("loss", "nll_loss", "wpb", "loss_scale"))
     for u in a:
-        for k in ("loss", "nll_loss", "wpb", "loss_scale"):
-            assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
         assert float(a[u]["gnorm"]) == pytest.approx(float(b[u]["gnorm"]), rel=1e-3)
     assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("sharded", "whole")))
 
@@ -117,19 +132,10 @@ def test_fused_fold_takes_the_same_updates_on_two_gpus(data_bin, tmp_path, shard
     (ops.copy_div_) instead of a copy and a division: the same updates bit for bit, and the same
     checkpoint, sharded (the default on two GPUs) and with the whole state."""
     _need_two_gpus()
-    flags = [*GPU_FLAGS, "--fp16", "--dropout", "0", "--max-update", "10", "--log-interval", "1",
-             "--grouped-shuffling", "--disable-validation"]
     base = {} if shard == "default" else {"LS_FAIRSEQ_SHARD_ADAM": "0"}
-    runs = {}
-    for name, env in (("fused", {**base, "LS_FAIRSEQ_FUSED_FOLD": "1"}), ("plain", base)):
-        (tmp_path / name).mkdir()
-        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
-                                              backend="nccl")
-    a, b = runs["fused"], runs["plain"]
-    assert sorted(a) == sorted(b) and len(a) >= 8
-    for u in a:
-        for k in ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"):
-            assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
+    runs = _ten_updates_per_setting(data_bin, tmp_path, ["--fp16"],
+                                    (("fused", {**base, "LS_FAIRSEQ_FUSED_FOLD": "1"}), ("plain", base)))
+    _assert_same_updates(runs["fused"], runs["plain"], ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"))
     assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("fused", "plain")))
 
 
@@ -141,18 +147,9 @@ def test_peer_copies_take_the_updates_of_nccl_reduce_scatter(data_bin, tmp_path,
     (rounds alternate between the two halves of the inbox: ten updates use both) and the same
     checkpoint."""
     _need_two_gpus()
-    flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
-             "--grouped-shuffling", "--disable-validation"]
-    runs = {}
-    for name, env in (("peer", {}), ("nccl", {"LS_FAIRSEQ_PEER_REDUCE": "0"})):
-        (tmp_path / name).mkdir()
-        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
-                                              backend="nccl")
+    runs = _ten_updates_per_setting(data_bin, tmp_path, precision,
+                                    (("peer", {}), ("nccl", {"LS_FAIRSEQ_PEER_REDUCE": "0"})))
     assert "copied to the other GPU by a copy engine" in (tmp_path / "peer" / "rank0.log").read_text()
     assert "no peer copies: LS_FAIRSEQ_PEER_REDUCE=0" in (tmp_path / "nccl" / "rank0.log").read_text()
-    a, b = runs["peer"], runs["nccl"]
-    assert sorted(a) == sorted(b) and len(a) >= 8
-    for u in a:
-        for k in ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"):
-            assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
+    _assert_same_updates(runs["peer"], runs["nccl"], ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"))
     assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("peer", "nccl")))
