@@ -188,7 +188,7 @@ def assert_same_checkpoint_state(path_a, path_b):
 
 
 def build_cpu_nodes_module(name: str, build_dir: str, extra_cflags=()):
-    """csrc/torch/autograd.cpp over the ATen CPU stand-ins of its CUDA adapters (tests/cpp), as the Python
+    """csrc/torch/autograd.cpp and layers.cpp over the ATen CPU stand-ins of its CUDA adapters (tests/cpp), as the Python
     module ``name`` built in ``build_dir`` (tests/test_cpp_nodes.py, benchmarks/cpu_nodes_host_overhead.py)."""
     from torch.utils import cpp_extension
 
@@ -200,7 +200,8 @@ def build_cpu_nodes_module(name: str, build_dir: str, extra_cflags=()):
         name=name,
         sources=[os.path.join(root, "tests", "cpp", "stand_in_adapters.cpp"),
                  os.path.join(root, "tests", "cpp", "nodes_module.cpp"),
-                 os.path.join(root, "csrc", "torch", "autograd.cpp")],
+                 os.path.join(root, "csrc", "torch", "autograd.cpp"),
+                 os.path.join(root, "csrc", "torch", "layers.cpp")],
         extra_include_paths=[os.path.join(root, "csrc")],
         extra_cflags=cxx_flags() + list(extra_cflags),
         build_directory=build_dir,

@@ -142,3 +142,124 @@ def test_linear_node(nodes):
         assert nodes.ag_linear(X, w, b).grad_fn is None
     with pytest.raises(Exception, match="does not match weight"):
         nodes.ag_linear(X, torch.randn(8, 15))
+
+
+# ---- whole layers (csrc/torch/layers.cpp) against the Python layers of ls_fairseq/modules ---------------------
+# On the CPU the Python layers run the PyTorch references, so this checks that the C++ layer strings the same
+# computation together (blocks, residuals, layer-norm placement, masks, the cross-attention inputs) and that
+# every weight gets its gradient. tests/gpu/test_cpp_nodes_gpu.py compares the two on the GPU bit for bit.
+
+def _layer_inputs(layer, *tensors):
+    leaves = _leaves(*tensors)
+    return leaves, leaves + [p for p in layer.parameters()]
+
+
+def _same_layer(layer, python_forward, cpp_forward, tensors):
+    (a, grads_of_a), (b, grads_of_b) = _layer_inputs(layer, *tensors), _layer_inputs(layer, *tensors)
+    ya, yb = python_forward(*a), cpp_forward(*b)
+    torch.testing.assert_close(yb, ya)
+    gy = torch.randn(ya.shape, dtype=ya.dtype, generator=torch.Generator().manual_seed(11))
+    ga = torch.autograd.grad((ya * gy).sum(), grads_of_a, allow_unused=True)
+    gb = torch.autograd.grad((yb * gy).sum(), grads_of_b, allow_unused=True)
+    for i, (x, y) in enumerate(zip(gb, ga)):
+        assert x is not None and y is not None, i
+        torch.testing.assert_close(x, y, msg=lambda m: f"gradient {i}: {m}")
+    return yb
+
+
+def _pad_mask(batch, length, lengths, left=False):
+    m = torch.zeros(batch, length, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        if left:
+            m[i, :length - n] = True
+        else:
+            m[i, n:] = True
+    return m
+
+
+@pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("padded", [False, True], ids=["no_pad", "pad"])
+def test_encoder_layer_call_matches_the_python_layer(nodes, pre, act, padded):
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+
+    torch.manual_seed(0)
+    layer = EncoderLayer(16, 32, 4, dropout=0.0, activation=act, normalize_before=pre).double()
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    kpm = _pad_mask(3, 7, [7, 4, 2]) if padded else None
+
+    def cpp(x, *params):
+        return nodes.encoder_layer_fwd(x, kpm, layer.cpp_weights(), layer.cpp_eps(), 4, *layer.cpp_dropouts(), act,
+                                       pre, 64)
+
+    y = _same_layer(layer, lambda x, *params: layer(x, kpm), cpp, [x])
+    assert len(layer.cpp_weights()) == len(list(layer.parameters())) == 12
+
+
+@pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
+@pytest.mark.parametrize("masks", ["none", "encoder", "both"])
+def test_decoder_layer_call_matches_the_python_layer(nodes, pre, masks):
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+
+    torch.manual_seed(1)
+    layer = DecoderLayer(16, 32, 4, dropout=0.0, activation="relu", normalize_before=pre).double()
+    x = torch.randn(3, 6, 16, dtype=torch.float64)
+    k = torch.randn(3, 4, 9, 4, dtype=torch.float64)
+    v = torch.randn(3, 4, 9, 4, dtype=torch.float64)
+    enc_pad = _pad_mask(3, 9, [9, 5, 3]) if masks != "none" else None
+    self_pad = _pad_mask(3, 6, [6, 4, 2], left=True) if masks == "both" else None
+
+    def cpp(x, k, v, *params):
+        return nodes.decoder_layer_fwd(x, k, v, enc_pad, self_pad, layer.cpp_weights(), layer.cpp_eps(), 4,
+                                       *layer.cpp_dropouts(), "relu", pre, 64)
+
+    _same_layer(layer, lambda x, k, v, *params: layer(x, k, v, enc_pad, self_pad), cpp, [x, k, v])
+    assert len(layer.cpp_weights()) == len(list(layer.parameters())) == 18
+
+
+def test_layer_calls_leave_the_attention_backends_as_they_were(nodes):
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+
+    layer = EncoderLayer(16, 32, 4, dropout=0.0).double()
+    flags = (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+             torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.cudnn_sdp_enabled)
+    before = [f() for f in flags]
+    order = list(torch._C._get_sdp_priority_order())
+    for short_len in (64, 0):  # a short and a long sequence: the short one reorders the backends for its call
+        nodes.encoder_layer_fwd(torch.randn(2, 5, 16, dtype=torch.float64), None, layer.cpp_weights(),
+                                layer.cpp_eps(), 4, 0.0, 0.0, 0.0, "relu", False, short_len)
+        assert [f() for f in flags] == before
+        assert list(torch._C._get_sdp_priority_order()) == order
+
+
+def test_layer_calls_refuse_bad_arguments_with_clear_errors(nodes):
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+
+    enc = EncoderLayer(16, 32, 4, dropout=0.0).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    w, eps = enc.cpp_weights(), enc.cpp_eps()
+    with pytest.raises(Exception, match="expected 12 weights, got 11"):
+        nodes.encoder_layer_fwd(x, None, w[:-1], eps, 4, 0.0, 0.0, 0.0, "relu", False, 64)
+    with pytest.raises(Exception, match=r"does not match embed_dim 16"):
+        nodes.encoder_layer_fwd(x[..., :8], None, w, eps, 4, 0.0, 0.0, 0.0, "relu", False, 64)
+    with pytest.raises(Exception, match="not divisible by num_heads 5"):
+        nodes.encoder_layer_fwd(x, None, w, eps, 5, 0.0, 0.0, 0.0, "relu", False, 64)
+    with pytest.raises(Exception, match="key_padding_mask .* != \\(batch, length\\) \\(2, 5\\)"):
+        nodes.encoder_layer_fwd(x, torch.zeros(2, 4, dtype=torch.bool), w, eps, 4, 0.0, 0.0, 0.0, "relu", False, 64)
+    with pytest.raises(Exception, match="weight 8 is Float"):
+        nodes.encoder_layer_fwd(x, None, w[:8] + [w[8].float()] + w[9:], eps, 4, 0.0, 0.0, 0.0, "relu", False, 64)
+    with pytest.raises(Exception, match="unsupported activation 'tanh'"):
+        nodes.encoder_layer_fwd(x, None, w, eps, 4, 0.0, 0.0, 0.0, "tanh", False, 64)
+    with pytest.raises(Exception, match=r"dropout probability must be in \[0, 1\), got 1"):
+        nodes.encoder_layer_fwd(x, None, w, eps, 4, 1.0, 0.0, 0.0, "relu", False, 64)
+    dec = DecoderLayer(16, 32, 4, dropout=0.0).double()
+    k = torch.randn(2, 4, 9, 4, dtype=torch.float64)
+    with pytest.raises(Exception, match="encoder keys/values must be \\[2, 4, source length, 4\\]"):
+        nodes.decoder_layer_fwd(x, k[:1], k, None, None, dec.cpp_weights(), dec.cpp_eps(), 4, 0.0, 0.0, 0.0,
+                                "relu", False, 64)
+    with pytest.raises(Exception, match="encoder_padding_mask .* \\(2, 9\\)"):
+        nodes.decoder_layer_fwd(x, k, k, torch.zeros(2, 5, dtype=torch.bool), None, dec.cpp_weights(),
+                                dec.cpp_eps(), 4, 0.0, 0.0, 0.0, "relu", False, 64)
+    with pytest.raises(Exception, match="expected 3 layer-norm eps values"):
+        nodes.decoder_layer_fwd(x, k, k, None, None, dec.cpp_weights(), eps, 4, 0.0, 0.0, 0.0, "relu", False, 64)

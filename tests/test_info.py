@@ -37,7 +37,19 @@ def test_explain_autograd_follows_the_setting(monkeypatch):
     for flags, word in (((True, True), "=1"), ((True, False), "=ops"), ((False, False), "=0")):
         monkeypatch.setattr(_dispatch, "_CPP_AUTOGRAD", flags[0])
         monkeypatch.setattr(_dispatch, "_CPP_LINEAR", flags[1])
-        assert _dispatch.explain_autograd().endswith(f"(LS_FAIRSEQ_CPP_AUTOGRAD{word})")
+        assert _dispatch.explain_autograd().split(";")[0].endswith(f"(LS_FAIRSEQ_CPP_AUTOGRAD{word})")
+    monkeypatch.setattr(_dispatch, "_CPP_LINEAR", True)
+    monkeypatch.setattr(_dispatch, "_CPP_AUTOGRAD", True)
+    assert "this extension build has no C++ layers" in _dispatch.explain_autograd()
+
+    class WithLayers(WithNodes):
+        encoder_layer_fwd = decoder_layer_fwd = None
+
+    monkeypatch.setattr(_dispatch, "_HAS_ENTRY", {})
+    monkeypatch.setattr(_ext, "get", lambda: WithLayers)
+    for flag, word in ((True, "one C++ call (LS_FAIRSEQ_CPP_LAYERS=1)"), (False, "in Python (LS_FAIRSEQ_CPP_LAYERS=0)")):
+        monkeypatch.setattr(_dispatch, "_CPP_LAYERS", flag)
+        assert _dispatch.explain_autograd().endswith(word)
     monkeypatch.setattr(_dispatch, "_HAS_ENTRY", {})
     monkeypatch.setattr(_ext, "get", lambda: object())
     assert "no C++ nodes" in _dispatch.explain_autograd()

@@ -62,4 +62,16 @@ std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, 
 std::vector<Tensor> ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 
+// Whole layers over those nodes (layers.cpp): the forward of ls_fairseq/modules' encoder and decoder layers in
+// one call, recording the same nodes as the Python layers; weights and eps in the order layers.cpp lists.
+Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
+                         const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
+                         double attention_dropout, const std::string& activation, bool normalize_before,
+                         int64_t short_len);
+Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
+                         const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
+                         const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
+                         double dropout, double activation_dropout, double attention_dropout,
+                         const std::string& activation, bool normalize_before, int64_t short_len);
+
 }  // namespace ls_torch

@@ -17,6 +17,9 @@ from ls_fairseq import ops
 from ls_fairseq.modules.attention import CrossAttention, SelfAttention, check_heads, linear_bias_init_, xavier_block_
 from ls_fairseq.modules.encoder_layer import EncoderLayer
 from ls_fairseq.modules.layer_norm import LayerNorm
+from ls_fairseq.ops import attention as attention_ops
+from ls_fairseq.ops._dispatch import cpp_layers
+from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
 
 
 class BatchedCrossKV(nn.Module):
@@ -53,6 +56,13 @@ class DecoderLayer(EncoderLayer):
 
     def forward(self, x, cross_k, cross_v, encoder_padding_mask=None, self_attn_padding_mask=None,
                 cache: Optional[Dict[str, torch.Tensor]] = None):
+        mod = cpp_layers(x) if cache is None and 0 < self.embed_dim <= KERNEL_MAX_C else None
+        if mod is not None and self.encoder_attn.attention_dropout == self.self_attn.attention_dropout:
+            # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
+            return mod.decoder_layer_fwd(x, cross_k, cross_v, encoder_padding_mask, self_attn_padding_mask,
+                                         self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads,
+                                         *self.cpp_dropouts(), self.activation, self.normalize_before,
+                                         attention_ops.SHORT_ATTENTION_LEN)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=self_attn_padding_mask, cache=cache)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
@@ -65,3 +75,11 @@ class DecoderLayer(EncoderLayer):
         if not self.normalize_before:
             x = self.encoder_attn_layer_norm(x)
         return self.ffn(x)
+
+    def cpp_weights(self):
+        e = self.encoder_attn
+        return super().cpp_weights() + [self.encoder_attn_layer_norm.weight, self.encoder_attn_layer_norm.bias,
+                                        e.q_proj.weight, e.q_proj.bias, e.out_proj.weight, e.out_proj.bias]
+
+    def cpp_eps(self):
+        return super().cpp_eps() + [self.encoder_attn_layer_norm.eps]

@@ -9,7 +9,10 @@ import torch.nn as nn
 from ls_fairseq import ops
 from ls_fairseq.modules.attention import SelfAttention
 from ls_fairseq.modules.layer_norm import LayerNorm
+from ls_fairseq.ops import attention as attention_ops
 from ls_fairseq.ops._checks import check_activation, check_dropout
+from ls_fairseq.ops._dispatch import cpp_layers
+from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
 
 
 class EncoderLayer(nn.Module):
@@ -34,12 +37,33 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x, key_padding_mask=None):
         """x [B, T, C]; key_padding_mask [B, T] (True = pad) or None."""
+        mod = cpp_layers(x) if 0 < self.embed_dim <= KERNEL_MAX_C else None
+        if mod is not None:  # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
+            return mod.encoder_layer_fwd(x, key_padding_mask, self.cpp_weights(), self.cpp_eps(),
+                                         self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
+                                         self.normalize_before, attention_ops.SHORT_ATTENTION_LEN)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=key_padding_mask)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
         return self.ffn(x)
+
+    def cpp_weights(self):
+        """The weights in the order csrc/torch/layers.cpp takes them."""
+        a = self.self_attn
+        return [self.self_attn_layer_norm.weight, self.self_attn_layer_norm.bias, a.in_proj_weight, a.in_proj_bias,
+                a.out_proj.weight, a.out_proj.bias, self.final_layer_norm.weight, self.final_layer_norm.bias,
+                self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias]
+
+    def cpp_eps(self):
+        return [self.self_attn_layer_norm.eps, self.final_layer_norm.eps]
+
+    def cpp_dropouts(self):
+        """(dropout, activation dropout, attention dropout) as the ops below apply them."""
+        if not self.training:
+            return 0.0, 0.0, 0.0
+        return float(self.dropout), float(self.activation_dropout), float(self.self_attn.attention_dropout)
 
     def ffn(self, x):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)

@@ -88,6 +88,31 @@ def _has_nodes(mod) -> bool:
     return has
 
 
+def cpp_layers(x):
+    """The extension when a whole encoder / decoder layer should run as one C++ call on input ``x``
+    (``encoder_layer_fwd`` / ``decoder_layer_fwd``, csrc/torch/layers.cpp), else None.
+
+    That call records the same C++ nodes as the layer's Python forward, so it needs what they need:
+    ``x`` on CUDA in a kernel dtype, the C++ nodes including the linear node, eager mode without
+    autocast. ``LS_FAIRSEQ_CPP_LAYERS=0`` keeps the Python layers (to compare)."""
+    if not _CPP_LAYERS or not x.is_cuda or x.dtype not in KERNEL_DTYPES:
+        return None
+    mod = cpp_nodes(_ext.get(), linear=True)
+    if mod is None or _autocast_on():
+        return None
+    has = _HAS_ENTRY.get("cpp_layers")
+    if has is None:
+        has = _HAS_ENTRY["cpp_layers"] = hasattr(mod, "encoder_layer_fwd") and hasattr(mod, "decoder_layer_fwd")
+    return mod if has else None
+
+
+def _autocast_on() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda")
+    except TypeError:  # older torch: no device argument (it then answers for CUDA)
+        return torch.is_autocast_enabled()
+
+
 def explain_autograd() -> str:
     """One line: which autograd nodes the fused ops and the projections record in eager mode on CUDA."""
     mod = _ext.get()
@@ -96,7 +121,13 @@ def explain_autograd() -> str:
     if not _has_nodes(mod):
         return "Python autograd.Functions and F.linear (this extension build has no C++ nodes)"
     if _CPP_AUTOGRAD and _CPP_LINEAR:
-        return "C++ nodes for the fused ops and the projections (LS_FAIRSEQ_CPP_AUTOGRAD=1)"
+        if not hasattr(mod, "encoder_layer_fwd"):
+            layers = "layers in Python (this extension build has no C++ layers)"
+        elif _CPP_LAYERS:
+            layers = "each encoder / decoder layer one C++ call (LS_FAIRSEQ_CPP_LAYERS=1)"
+        else:
+            layers = "layers in Python (LS_FAIRSEQ_CPP_LAYERS=0)"
+        return f"C++ nodes for the fused ops and the projections (LS_FAIRSEQ_CPP_AUTOGRAD=1); {layers}"
     if _CPP_AUTOGRAD:
         return "C++ nodes for the fused ops, F.linear for the projections (LS_FAIRSEQ_CPP_AUTOGRAD=ops)"
     return "Python autograd.Functions and F.linear (LS_FAIRSEQ_CPP_AUTOGRAD=0)"
@@ -114,7 +145,17 @@ def _cpp_autograd_setting():
     raise ValueError(f"LS_FAIRSEQ_CPP_AUTOGRAD={value!r}: expected 1, ops or 0")
 
 
+def _cpp_layers_setting() -> bool:
+    value = os.environ.get("LS_FAIRSEQ_CPP_LAYERS", "1").strip().lower()
+    if value in ("", "1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise ValueError(f"LS_FAIRSEQ_CPP_LAYERS={value!r}: expected 1 or 0")
+
+
 _CPP_AUTOGRAD, _CPP_LINEAR = _cpp_autograd_setting()
+_CPP_LAYERS = _cpp_layers_setting()
 
 
 def explain(op: str) -> str:

@@ -12,15 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ls_fairseq import _ext
-from ls_fairseq.ops._dispatch import cpp_nodes
-
-
-def _autocast_on() -> bool:
-    try:
-        return torch.is_autocast_enabled("cuda")
-    except TypeError:  # older torch: no device argument (it then answers for CUDA)
-        return torch.is_autocast_enabled()
-
+from ls_fairseq.ops._dispatch import _autocast_on, cpp_nodes
 
 def linear(x, weight, bias=None):
     if (x.is_cuda and weight.is_cuda and x.dim() >= 2 and x.dtype == weight.dtype

@@ -1,5 +1,5 @@
-// The autograd nodes of csrc/torch/autograd.cpp over the stand-in adapters, and the stand-ins themselves
-// under the adapters' names, as a module for tests/test_cpp_nodes.py and benchmarks/cpu_nodes_host_overhead.py
+// The autograd nodes of csrc/torch/autograd.cpp and the layers of csrc/torch/layers.cpp over the stand-in
+// adapters, and the stand-ins themselves under the adapters' names, as a module for tests/test_cpp_nodes.py and benchmarks/cpu_nodes_host_overhead.py
 // (whose Python autograd.Functions call the adapters). Errors become Python exceptions through pybind11's
 // default translation.
 #include <torch/extension.h>
@@ -21,6 +21,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_split_heads", &ag_split_heads, py::arg("x"), py::arg("bias") = none, py::arg("n"),
         py::arg("num_heads"));
   m.def("ag_linear", &ag_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = none);
+  m.def("encoder_layer_fwd", &encoder_layer_fwd, py::arg("x"), py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"),
+        py::arg("num_heads"), py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
+        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"));
+  m.def("decoder_layer_fwd", &decoder_layer_fwd, py::arg("x"), py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
+        py::arg("self_attn_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
+        py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"), py::arg("activation"),
+        py::arg("normalize_before"), py::arg("short_len"));
   m.def("layer_norm_fwd", &layer_norm_fwd);
   m.def("layer_norm_bwd", &layer_norm_bwd);
   m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd);

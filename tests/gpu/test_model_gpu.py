@@ -116,3 +116,80 @@ def test_beam_search_same_translations_as_native_on_gpu():
         gen = SequenceGenerator([m], d, beam_size=4, max_len_b=10)
         hyps.append([[h["tokens"].tolist() for h in sent] for sent in gen.generate([m], sample)])
     assert hyps[0] == hyps[1]
+
+
+class _CountingLayers:
+    """Stands in for the extension in the layer modules' cpp_layers: counts the whole-layer calls."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+        if name not in ("encoder_layer_fwd", "decoder_layer_fwd"):
+            return fn
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pre_ln,act", [(False, "relu"), (True, "gelu")], ids=["post_ln_relu", "pre_ln_gelu"])
+@pytest.mark.parametrize("shape", ["short", "long", "left_padded_targets"])
+def test_cpp_layers_same_bits_as_python_layers(monkeypatch, dtype, pre_ln, act, shape):
+    """Each encoder / decoder layer as one C++ call (csrc/torch/layers.cpp) records the same nodes as the
+    Python layers: the same loss and the same gradients bit for bit, dropout everywhere included."""
+    from ls_fairseq.modules import decoder_layer, encoder_layer
+    from ls_fairseq.ops import _dispatch
+
+    d, _, ls = _pair(dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, activation_fn=act,
+                     encoder_normalize_before=pre_ln, decoder_normalize_before=pre_ln)
+    ls = ls.cuda().to(dtype).train()
+    S, T = (20, 18) if shape != "long" else (100, 90)  # memory-efficient first (short) or flash first
+    src, lengths, prev, tgt = random_batch(d, B=8, S=S, T=T)
+    if shape == "left_padded_targets":  # a self-attention padding mask besides the causal one
+        prev[2, :3] = d.pad()
+    batch = (src, lengths, prev, tgt)
+    counter = _CountingLayers(_ext.get())
+    real = _dispatch.cpp_layers
+    for m in (encoder_layer, decoder_layer):
+        monkeypatch.setattr(m, "cpp_layers", lambda x: counter if real(x) is not None else None)
+
+    def run(cpp_layers):
+        monkeypatch.setattr(_dispatch, "_CPP_LAYERS", cpp_layers)
+        ls.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        loss = _loss(ls, d, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in ls.named_parameters()}
+
+    loss_cpp, grads_cpp = run(True)
+    assert counter.calls == 4  # 2 encoder + 2 decoder layers
+    loss_py, grads_py = run(False)
+    assert counter.calls == 4
+    assert torch.isfinite(loss_cpp) and torch.equal(loss_cpp, loss_py)
+    assert grads_cpp.keys() == grads_py.keys()
+    for n in grads_py:
+        assert torch.equal(grads_cpp[n], grads_py[n]), n
+    # a different seed gives different dropout: the comparison above is not vacuous
+    monkeypatch.setattr(_dispatch, "_CPP_LAYERS", True)
+    torch.manual_seed(6)
+    assert not torch.equal(_loss(ls, d, batch).detach(), loss_cpp)
+
+
+def test_cpp_layers_in_eval_and_without_grad(monkeypatch):
+    """Validation (eval, no_grad) through the C++ layers gives the Python layers' output bit for bit."""
+    from ls_fairseq.ops import _dispatch
+
+    d, _, ls = _pair(dropout=0.1, attention_dropout=0.1, activation_dropout=0.1)
+    ls = ls.cuda().half().eval()
+    batch = random_batch(d, B=8, S=30, T=25)
+    out = {}
+    for flag in (True, False):
+        monkeypatch.setattr(_dispatch, "_CPP_LAYERS", flag)
+        with torch.no_grad():
+            out[flag] = _loss(ls, d, batch)
+    assert torch.equal(out[True], out[False])

@@ -1,0 +1,233 @@
+// Whole transformer layers in one call from Python: the encoder layer and the decoder layer (training and
+// full-sequence forward; incremental decoding stays in Python) as the same sequence of autograd nodes that
+// ls_fairseq/modules/*_layer.py records through the public ops (autograd.cpp's nodes, torch's SDPA and the
+// views between them), in the same order, so the kernels, their dropout streams and the recorded graph are
+// those of the Python layer. What goes away is the Python between the ops: per layer the module calls, the
+// ops' argument checks and dispatch, and about twenty crossings into C++ (measured at about 4.4 ms of
+// host time per transformer-big micro-batch, benchmarks/RESULTS.md). The GIL is released for the layer.
+//
+// Weights, in this order (the names of the Python modules):
+//   encoder: self_attn_layer_norm.{weight,bias}, self_attn.{in_proj_weight,in_proj_bias},
+//            self_attn.out_proj.{weight,bias}, final_layer_norm.{weight,bias}, fc1.{weight,bias},
+//            fc2.{weight,bias}                                                              (12)
+//   decoder: the 12 above, then encoder_attn_layer_norm.{weight,bias}, encoder_attn.q_proj.{weight,bias},
+//            encoder_attn.out_proj.{weight,bias}                                            (18)
+// eps: the layer norms' eps in the same order (self-attention, final[, encoder-attention]).
+// Dropout probabilities are the effective ones (0 outside training).
+#include <torch/extension.h>
+
+#include <ATen/Context.h>
+
+#include "torch/ops.h"
+
+namespace ls_torch {
+
+namespace {
+
+// The SDPA backends ls_fairseq/ops/attention.py allows: flash, memory-efficient and math (not cuDNN, not the
+// overrideable slot); for short sequences the memory-efficient kernel goes first. Set for one call and
+// restored after it, as the Python context does.
+class SdpBackends {
+ public:
+  explicit SdpBackends(bool short_seq) {
+    auto& c = at::globalContext();
+    prev_[0] = c.userEnabledFlashSDP();
+    prev_[1] = c.userEnabledMemEfficientSDP();
+    prev_[2] = c.userEnabledMathSDP();
+    prev_[3] = c.userEnabledCuDNNSDP();
+    prev_[4] = c.userEnabledOverrideableSDP();
+    set(true, true, true, false, false);
+    if (short_seq) {
+      order_ = c.sDPPriorityOrder();
+      std::vector<int64_t> order = {static_cast<int64_t>(at::SDPBackend::efficient_attention),
+                                    static_cast<int64_t>(at::SDPBackend::flash_attention),
+                                    static_cast<int64_t>(at::SDPBackend::math)};
+      for (auto b : *order_) {
+        const auto v = static_cast<int64_t>(b);
+        if (std::find(order.begin(), order.end(), v) == order.end()) order.push_back(v);
+      }
+      c.setSDPPriorityOrder(order);
+    }
+  }
+  ~SdpBackends() {
+    set(prev_[0], prev_[1], prev_[2], prev_[3], prev_[4]);
+    if (order_) {
+      std::vector<int64_t> order;
+      for (auto b : *order_) order.push_back(static_cast<int64_t>(b));
+      at::globalContext().setSDPPriorityOrder(order);
+    }
+  }
+  SdpBackends(const SdpBackends&) = delete;
+  SdpBackends& operator=(const SdpBackends&) = delete;
+
+ private:
+  static void set(bool flash, bool efficient, bool math, bool cudnn, bool overrideable) {
+    auto& c = at::globalContext();
+    if (c.userEnabledFlashSDP() != flash) c.setSDPUseFlash(flash);
+    if (c.userEnabledMemEfficientSDP() != efficient) c.setSDPUseMemEfficient(efficient);
+    if (c.userEnabledMathSDP() != math) c.setSDPUseMath(math);
+    if (c.userEnabledCuDNNSDP() != cudnn) c.setSDPUseCuDNN(cudnn);
+    if (c.userEnabledOverrideableSDP() != overrideable) c.setSDPUseOverrideable(overrideable);
+  }
+  bool prev_[5];
+  std::optional<std::array<at::SDPBackend, at::num_sdp_backends>> order_;
+};
+
+// [B, S] padding mask (true = pad) -> [B, 1, 1, S] (true = attend), as ops.attention builds it.
+Tensor attend_mask(const Tensor& key_padding_mask) {
+  return key_padding_mask.to(at::kBool).bitwise_not().view({key_padding_mask.size(0), 1, 1, key_padding_mask.size(1)});
+}
+
+// softmax(q k^T / sqrt(D) + masks) v for q [B, H, T, D], k, v [B, H, S, D]; attend [B, 1, 1, S] or absent.
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal, double p,
+                 int64_t short_len) {
+  const int64_t Tq = q.size(-2), S = k.size(-2);
+  SdpBackends backends(std::max(Tq, S) <= short_len);
+  if (!present(attend) && causal && Tq == S) return at::scaled_dot_product_attention(q, k, v, std::nullopt, p, true);
+  OptTensor mask = attend;
+  if (causal && Tq > 1) {  // query i sits at absolute position S - Tq + i and sees keys up to it
+    Tensor c = at::ones({Tq, S}, q.options().dtype(at::kBool)).tril(S - Tq);
+    mask = present(attend) ? attend->bitwise_and(c) : c;
+  }
+  return at::scaled_dot_product_attention(q, k, v, mask, p);
+}
+
+// [B, H, T, D] -> [B, T, H * D]: a view when the attention output is token-major in memory (flash and
+// memory-efficient kernels), else a copy.
+Tensor merge_heads(const Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  Tensor t = x.transpose(1, 2);
+  return t.is_contiguous() ? t.view({B, T, H * D}) : t.reshape({B, T, H * D});
+}
+
+struct Dropouts {
+  double dropout, act, attn;
+};
+
+// (input of the block, its residual): layer_norm(x) and x for pre-LN, x and x for post-LN
+std::pair<Tensor, Tensor> block_input(const Tensor& x, bool pre, const Tensor& w, const Tensor& b, double eps) {
+  if (!pre) return {x, x};
+  auto r = ag_pre_layer_norm(x, w, b, eps);
+  return {r[0], r[1]};
+}
+
+// residual + dropout(h + bias), then the layer norm of a post-LN block
+Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual, double p, bool pre, const Tensor& w,
+                    const Tensor& b, double eps) {
+  Tensor x = ag_bias_dropout_residual(h, bias, residual, p)[0];
+  return pre ? x : ag_layer_norm(x, std::nullopt, w, b, eps)[0];
+}
+
+Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
+                            double eps, int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len) {
+  auto [h, residual] = block_input(x, pre, w[0], w[1], eps);
+  Tensor qkv = ag_linear(h, w[2], std::nullopt);
+  auto parts = ag_split_heads(qkv, w[3], 3, num_heads);
+  Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, p.attn, short_len);
+  h = ag_linear(merge_heads(out), w[4], std::nullopt);
+  return block_output(h, w[5], residual, p.dropout, pre, w[0], w[1], eps);
+}
+
+Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
+                 const Dropouts& p, bool pre) {
+  auto [h, residual] = block_input(x, pre, w[6], w[7], eps);
+  h = ag_linear(h, w[8], std::nullopt);
+  h = ag_bias_act_dropout(h, w[9], activation, p.act)[0];
+  h = ag_linear(h, w[10], std::nullopt);
+  return block_output(h, w[11], residual, p.dropout, pre, w[6], w[7], eps);
+}
+
+Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                             const std::vector<Tensor>& w, double eps, int64_t num_heads, const Dropouts& p, bool pre,
+                             int64_t short_len) {
+  auto [h, residual] = block_input(x, pre, w[12], w[13], eps);
+  const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
+  Tensor q = ag_linear(h, w[14], w[15]).view({B, T, num_heads, C / num_heads}).transpose(1, 2);
+  Tensor out = attention(q, k, v, attend, false, p.attn, short_len);
+  h = ag_linear(merge_heads(out), w[16], std::nullopt);
+  return block_output(h, w[17], residual, p.dropout, pre, w[12], w[13], eps);
+}
+
+// Clear errors for what the Python layer would have refused or what no kernel below checks.
+void check_layer(const char* op, const Tensor& x, const std::vector<Tensor>& w, size_t n_weights,
+                 const std::vector<double>& eps, size_t n_eps, int64_t num_heads, const std::string& activation,
+                 const Dropouts& p) {
+  LS_CHECK(w.size() == n_weights, op, ": expected ", static_cast<int64_t>(n_weights), " weights, got ",
+           static_cast<int64_t>(w.size()));
+  LS_CHECK(eps.size() == n_eps, op, ": expected ", static_cast<int64_t>(n_eps), " layer-norm eps values, got ",
+           static_cast<int64_t>(eps.size()));
+  LS_CHECK(x.dim() == 3, op, ": expected input [batch, length, embed_dim], got ", x.sizes());
+  const int64_t C = w[2].dim() == 2 ? w[2].size(1) : -1;
+  LS_CHECK(x.size(2) == C, op, ": input ", x.sizes(), " does not match embed_dim ", C);
+  LS_CHECK(num_heads >= 1 && C % num_heads == 0, op, ": embed_dim ", C, " is not divisible by num_heads ", num_heads);
+  for (size_t i = 0; i < w.size(); ++i) {
+    LS_CHECK(w[i].defined(), op, ": weight ", static_cast<int64_t>(i), " is undefined");
+    LS_CHECK(w[i].device() == x.device() && w[i].scalar_type() == x.scalar_type(), op, ": weight ",
+             static_cast<int64_t>(i), " is ", w[i].scalar_type(), " on ", w[i].device().str(), ", the input ",
+             x.scalar_type(), " on ", x.device().str());
+  }
+  LS_CHECK(activation == "relu" || activation == "gelu", op, ": unsupported activation '", activation, "'");
+  for (double q : {p.dropout, p.act, p.attn})
+    LS_CHECK(q >= 0.0 && q < 1.0, op, ": dropout probability must be in [0, 1), got ", q);
+}
+
+void check_padding_mask(const char* op, const char* what, const OptTensor& mask, int64_t B, int64_t S,
+                        const Tensor& x) {
+  if (!present(mask)) return;
+  LS_CHECK(mask->dim() == 2 && mask->size(0) == B && mask->size(1) == S, op, ": ", what, " ", mask->sizes(),
+           " != (batch, length) (", B, ", ", S, ")");
+  LS_CHECK(mask->device() == x.device(), op, ": ", what, " is on ", mask->device().str(), ", the input on ",
+           x.device().str());
+}
+
+// Releases the GIL for the layer when the caller holds it (a call from Python); nothing below needs it.
+struct NoGil {
+  std::optional<pybind11::gil_scoped_release> release;
+  NoGil() {
+    if (PyGILState_Check()) release.emplace();
+  }
+};
+
+}  // namespace
+
+Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
+                         const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
+                         double attention_dropout, const std::string& activation, bool normalize_before,
+                         int64_t short_len) {
+  const char* op = "encoder_layer";
+  const Dropouts p{dropout, activation_dropout, attention_dropout};
+  check_layer(op, x, weights, 12, eps, 2, num_heads, activation, p);
+  check_padding_mask(op, "key_padding_mask", key_padding_mask, x.size(0), x.size(1), x);
+  NoGil nogil;
+  OptTensor attend = present(key_padding_mask) ? OptTensor(attend_mask(*key_padding_mask)) : std::nullopt;
+  Tensor h = self_attention_block(x, attend, false, weights, eps[0], num_heads, p, normalize_before, short_len);
+  return ffn_block(h, weights, eps[1], activation, p, normalize_before);
+}
+
+Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
+                         const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
+                         const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
+                         double dropout, double activation_dropout, double attention_dropout,
+                         const std::string& activation, bool normalize_before, int64_t short_len) {
+  const char* op = "decoder_layer";
+  const Dropouts p{dropout, activation_dropout, attention_dropout};
+  check_layer(op, x, weights, 18, eps, 3, num_heads, activation, p);
+  const int64_t B = x.size(0), C = x.size(2);
+  for (const Tensor* t : {&cross_k, &cross_v})
+    LS_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == num_heads && t->size(3) == C / num_heads &&
+                 t->size(2) == cross_k.size(2),
+             op, ": encoder keys/values must be [", B, ", ", num_heads, ", source length, ", C / num_heads, "], got ",
+             t->sizes());
+  check_padding_mask(op, "encoder_padding_mask", encoder_padding_mask, B, cross_k.size(2), x);
+  check_padding_mask(op, "self_attn_padding_mask", self_attn_padding_mask, B, x.size(1), x);
+  NoGil nogil;
+  OptTensor self_attend =
+      present(self_attn_padding_mask) ? OptTensor(attend_mask(*self_attn_padding_mask)) : std::nullopt;
+  OptTensor enc_attend = present(encoder_padding_mask) ? OptTensor(attend_mask(*encoder_padding_mask)) : std::nullopt;
+  Tensor h = self_attention_block(x, self_attend, true, weights, eps[0], num_heads, p, normalize_before, short_len);
+  h = cross_attention_block(h, cross_k, cross_v, enc_attend, weights, eps[2], num_heads, p, normalize_before,
+                            short_len);
+  return ffn_block(h, weights, eps[1], activation, p, normalize_before);
+}
+
+}  // namespace ls_torch
