@@ -177,10 +177,23 @@ def _pad_mask(batch, length, lengths, left=False):
     return m
 
 
+@pytest.fixture
+def layer_path(nodes, monkeypatch):
+    """route(cpp): the layer modules' forward takes the C++ layer call over the stand-ins (cpp=True) or
+    their Python ops (cpp=False), as ls_fairseq.ops._dispatch.cpp_layers would choose on CUDA."""
+    from ls_fairseq.modules import decoder_layer, encoder_layer
+
+    def route(cpp: bool):
+        for m in (encoder_layer, decoder_layer):
+            monkeypatch.setattr(m, "cpp_layers", (lambda x: nodes) if cpp else (lambda x: None))
+
+    return route
+
+
 @pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 @pytest.mark.parametrize("padded", [False, True], ids=["no_pad", "pad"])
-def test_encoder_layer_call_matches_the_python_layer(nodes, pre, act, padded):
+def test_encoder_layer_call_matches_the_python_layer(layer_path, pre, act, padded):
     from ls_fairseq.modules.encoder_layer import EncoderLayer
 
     torch.manual_seed(0)
@@ -188,17 +201,19 @@ def test_encoder_layer_call_matches_the_python_layer(nodes, pre, act, padded):
     x = torch.randn(3, 7, 16, dtype=torch.float64)
     kpm = _pad_mask(3, 7, [7, 4, 2]) if padded else None
 
-    def cpp(x, *params):
-        return nodes.encoder_layer_fwd(x, kpm, layer.cpp_weights(), layer.cpp_eps(), 4, *layer.cpp_dropouts(), act,
-                                       pre, 64)
+    def forward(cpp):
+        def f(x, *params):
+            layer_path(cpp)
+            return layer(x, kpm)
+        return f
 
-    y = _same_layer(layer, lambda x, *params: layer(x, kpm), cpp, [x])
+    _same_layer(layer, forward(False), forward(True), [x])
     assert len(layer.cpp_weights()) == len(list(layer.parameters())) == 12
 
 
 @pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
 @pytest.mark.parametrize("masks", ["none", "encoder", "both"])
-def test_decoder_layer_call_matches_the_python_layer(nodes, pre, masks):
+def test_decoder_layer_call_matches_the_python_layer(layer_path, pre, masks):
     from ls_fairseq.modules.decoder_layer import DecoderLayer
 
     torch.manual_seed(1)
@@ -209,12 +224,27 @@ def test_decoder_layer_call_matches_the_python_layer(nodes, pre, masks):
     enc_pad = _pad_mask(3, 9, [9, 5, 3]) if masks != "none" else None
     self_pad = _pad_mask(3, 6, [6, 4, 2], left=True) if masks == "both" else None
 
-    def cpp(x, k, v, *params):
-        return nodes.decoder_layer_fwd(x, k, v, enc_pad, self_pad, layer.cpp_weights(), layer.cpp_eps(), 4,
-                                       *layer.cpp_dropouts(), "relu", pre, 64)
+    def forward(cpp):
+        def f(x, k, v, *params):
+            layer_path(cpp)
+            return layer(x, k, v, enc_pad, self_pad)
+        return f
 
-    _same_layer(layer, lambda x, k, v, *params: layer(x, k, v, enc_pad, self_pad), cpp, [x, k, v])
+    _same_layer(layer, forward(False), forward(True), [x, k, v])
     assert len(layer.cpp_weights()) == len(list(layer.parameters())) == 18
+
+
+def test_incremental_decoding_keeps_the_python_layer(layer_path):
+    """A decoder layer with a cache (beam search) never takes the C++ call."""
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+
+    layer = DecoderLayer(16, 32, 4, dropout=0.0).double().eval()
+    layer_path(True)
+    layer.cpp_weights = None  # the C++ call would need it
+    k = torch.randn(2, 4, 9, 4, dtype=torch.float64)
+    cache = {}
+    layer(torch.randn(2, 1, 16, dtype=torch.float64), k, k, None, None, cache=cache)
+    assert cache["prev_key"].shape == (2, 4, 1, 4)
 
 
 def test_layer_calls_leave_the_attention_backends_as_they_were(nodes):

@@ -7,6 +7,7 @@ result into 2 * n_layers head-split tensors. In backward, every layer's dK/dV la
 one buffer and one GEMM produces the encoder-output gradient.
 """
 
+import importlib
 import math
 from typing import Dict, List, Optional
 
@@ -17,9 +18,10 @@ from ls_fairseq import ops
 from ls_fairseq.modules.attention import CrossAttention, SelfAttention, check_heads, linear_bias_init_, xavier_block_
 from ls_fairseq.modules.encoder_layer import EncoderLayer
 from ls_fairseq.modules.layer_norm import LayerNorm
-from ls_fairseq.ops import attention as attention_ops
 from ls_fairseq.ops._dispatch import cpp_layers
 from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
+
+_attention_ops = importlib.import_module("ls_fairseq.ops.attention")  # the module; ops.attention is the op
 
 
 class BatchedCrossKV(nn.Module):
@@ -62,7 +64,7 @@ class DecoderLayer(EncoderLayer):
             return mod.decoder_layer_fwd(x, cross_k, cross_v, encoder_padding_mask, self_attn_padding_mask,
                                          self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads,
                                          *self.cpp_dropouts(), self.activation, self.normalize_before,
-                                         attention_ops.SHORT_ATTENTION_LEN)
+                                         _attention_ops.SHORT_ATTENTION_LEN)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=self_attn_padding_mask, cache=cache)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)

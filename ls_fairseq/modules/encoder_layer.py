@@ -4,15 +4,18 @@ Parameter names follow fairseq's TransformerEncoderLayer except the fused
 ``self_attn.in_proj_weight/bias`` (translated to q_proj/k_proj/v_proj on save/load).
 """
 
+import importlib
+
 import torch.nn as nn
 
 from ls_fairseq import ops
 from ls_fairseq.modules.attention import SelfAttention
 from ls_fairseq.modules.layer_norm import LayerNorm
-from ls_fairseq.ops import attention as attention_ops
 from ls_fairseq.ops._checks import check_activation, check_dropout
 from ls_fairseq.ops._dispatch import cpp_layers
 from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
+
+_attention_ops = importlib.import_module("ls_fairseq.ops.attention")  # the module; ops.attention is the op
 
 
 class EncoderLayer(nn.Module):
@@ -41,7 +44,7 @@ class EncoderLayer(nn.Module):
         if mod is not None:  # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
             return mod.encoder_layer_fwd(x, key_padding_mask, self.cpp_weights(), self.cpp_eps(),
                                          self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
-                                         self.normalize_before, attention_ops.SHORT_ATTENTION_LEN)
+                                         self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=key_padding_mask)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
