@@ -70,6 +70,7 @@ def main():
 
     # ---------------------------------------------------------------- phases
     sums = collections.defaultdict(float)
+    overflows = 0
     for b in batches:
         sample, _ = trainer._prepare_sample(b)
         trainer.model.train()
@@ -85,8 +86,11 @@ def main():
         sync()
         t4 = time.perf_counter()
         trainer.optimizer.multiply_grads(1.0 / float(sample_size))
-        gn = trainer.optimizer.clip_grad_norm(0.0)
-        trainer.optimizer.step()
+        try:
+            gn = trainer.optimizer.clip_grad_norm(0.0)
+            trainer.optimizer.step()
+        except OverflowError:  # fp16 loss scale lowered (as fairseq's trainer does): the step is skipped
+            gn, overflows = None, overflows + 1
         t5 = time.perf_counter()
         sync()
         t6 = time.perf_counter()
@@ -98,7 +102,8 @@ def main():
         sums["opt_host"] += t5 - t4
         sums["opt_gpu"] += t6 - t4
     n = len(batches)
-    print("PHASE " + " ".join(f"{k}={v / n * 1e3:.2f}ms" for k, v in sums.items()), flush=True)
+    print("PHASE " + " ".join(f"{k}={v / n * 1e3:.2f}ms" for k, v in sums.items())
+          + (f" (fp16 overflows: {overflows} of {n} steps skipped)" if overflows else ""), flush=True)
 
     # ------------------------------------------------------------------ syncs
     where = collections.Counter()
