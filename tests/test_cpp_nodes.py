@@ -234,6 +234,29 @@ def test_decoder_layer_call_matches_the_python_layer(layer_path, pre, masks):
     assert len(layer.cpp_weights()) == len(list(layer.parameters())) == 18
 
 
+def test_layer_call_under_activation_checkpointing(layer_path):
+    """--checkpoint-activations: torch's saved-tensor hooks (Python) run inside the C++ call, whose GIL is
+    released, and the recomputation runs it again from the backward; the same output and gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+
+    torch.manual_seed(2)
+    layer = EncoderLayer(16, 32, 4, dropout=0.0, normalize_before=True).double()
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    kpm = _pad_mask(3, 7, [7, 5, 3])
+
+    def plain(x, *params):
+        layer_path(False)
+        return layer(x, kpm)
+
+    def checkpointed(x, *params):
+        layer_path(True)
+        return checkpoint(layer, x, kpm, use_reentrant=False)
+
+    _same_layer(layer, plain, checkpointed, [x])
+
+
 def test_incremental_decoding_keeps_the_python_layer(layer_path):
     """A decoder layer with a cache (beam search) never takes the C++ call."""
     from ls_fairseq.modules.decoder_layer import DecoderLayer
