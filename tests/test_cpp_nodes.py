@@ -181,11 +181,10 @@ def _pad_mask(batch, length, lengths, left=False):
 def layer_path(nodes, monkeypatch):
     """route(cpp): the layer modules' forward takes the C++ layer call over the stand-ins (cpp=True) or
     their Python ops (cpp=False), as ls_fairseq.ops._dispatch.cpp_layers would choose on CUDA."""
-    from ls_fairseq.modules import decoder_layer, encoder_layer
+    from ls_fairseq.modules import encoder_layer  # both layers' choice (the decoder layer inherits it)
 
     def route(cpp: bool):
-        for m in (encoder_layer, decoder_layer):
-            monkeypatch.setattr(m, "cpp_layers", (lambda x: nodes) if cpp else (lambda x: None))
+        monkeypatch.setattr(encoder_layer, "cpp_layers", (lambda x: nodes) if cpp else (lambda x: None))
 
     return route
 
@@ -257,6 +256,44 @@ def test_layer_call_under_activation_checkpointing(layer_path):
     _same_layer(layer, plain, checkpointed, [x])
 
 
+def test_layer_dropouts_follow_each_block_and_its_training_flag():
+    """The C++ call gets each dropout as the Python layer's ops apply it: the layer's own flag for the
+    residual and activation dropouts, each attention block's flag and probability for its attention."""
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+
+    layer = DecoderLayer(16, 32, 4, dropout=0.1, attention_dropout=0.2, activation_dropout=0.3).train()
+    layer.encoder_attn.attention_dropout = 0.4
+    assert layer.cpp_dropouts() == (0.1, 0.3, 0.2, 0.4)
+    layer.encoder_attn.eval()
+    assert layer.cpp_dropouts() == (0.1, 0.3, 0.2, 0.0)
+    layer.eval()
+    assert layer.cpp_dropouts() == (0.0, 0.0, 0.0, 0.0)
+    assert layer.cpp_args()[3:7] == (0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("cross_p", [0.0, 0.3])
+def test_decoder_layer_call_applies_each_attention_dropout(layer_path, cross_p):
+    """Attention dropout (SDPA's own, which runs on the CPU too) in the self- and the cross-attention with
+    different probabilities: the same draws in the same order as the Python layer, so the same output."""
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+
+    torch.manual_seed(3)
+    layer = DecoderLayer(16, 32, 4, dropout=0.0, attention_dropout=0.2).double().train()
+    layer.encoder_attn.attention_dropout = cross_p
+    x = torch.randn(3, 6, 16, dtype=torch.float64)
+    k = torch.randn(3, 4, 9, 4, dtype=torch.float64)
+    enc_pad = _pad_mask(3, 9, [9, 5, 3])
+    self_pad = _pad_mask(3, 6, [6, 4, 2], left=True)  # explicit masks: both paths take SDPA's masked kernel
+    out = {}
+    for cpp in (False, True):
+        layer_path(cpp)
+        torch.manual_seed(4)
+        out[cpp] = layer(x, k, k, enc_pad, self_pad)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-12, atol=1e-12)
+    torch.manual_seed(5)
+    assert not torch.allclose(layer(x, k, k, enc_pad, self_pad), out[True])  # dropout did act
+
+
 def test_incremental_decoding_keeps_the_python_layer(layer_path):
     """A decoder layer with a cache (beam search) never takes the C++ call."""
     from ls_fairseq.modules.decoder_layer import DecoderLayer
@@ -309,10 +346,14 @@ def test_layer_calls_refuse_bad_arguments_with_clear_errors(nodes):
     dec = DecoderLayer(16, 32, 4, dropout=0.0).double()
     k = torch.randn(2, 4, 9, 4, dtype=torch.float64)
     with pytest.raises(Exception, match="encoder keys/values must be \\[2, 4, source length, 4\\]"):
-        nodes.decoder_layer_fwd(x, k[:1], k, None, None, dec.cpp_weights(), dec.cpp_eps(), 4, 0.0, 0.0, 0.0,
+        nodes.decoder_layer_fwd(x, k[:1], k, None, None, dec.cpp_weights(), dec.cpp_eps(), 4, 0.0, 0.0, 0.0, 0.0,
                                 "relu", False, 64)
     with pytest.raises(Exception, match="encoder_padding_mask .* \\(2, 9\\)"):
         nodes.decoder_layer_fwd(x, k, k, torch.zeros(2, 5, dtype=torch.bool), None, dec.cpp_weights(),
-                                dec.cpp_eps(), 4, 0.0, 0.0, 0.0, "relu", False, 64)
+                                dec.cpp_eps(), 4, 0.0, 0.0, 0.0, 0.0, "relu", False, 64)
     with pytest.raises(Exception, match="expected 3 layer-norm eps values"):
-        nodes.decoder_layer_fwd(x, k, k, None, None, dec.cpp_weights(), eps, 4, 0.0, 0.0, 0.0, "relu", False, 64)
+        nodes.decoder_layer_fwd(x, k, k, None, None, dec.cpp_weights(), eps, 4, 0.0, 0.0, 0.0, 0.0, "relu", False,
+                                64)
+    with pytest.raises(Exception, match=r"dropout probability must be in \[0, 1\), got 1"):  # the cross-attention's
+        nodes.decoder_layer_fwd(x, k, k, None, None, dec.cpp_weights(), dec.cpp_eps(), 4, 0.0, 0.0, 0.0, 1.0,
+                                "relu", False, 64)

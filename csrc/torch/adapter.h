@@ -12,10 +12,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <pybind11/pybind11.h>
-
 #include "kernels/launch.h"
 #include "torch/checks.h"
+#include "torch/gil.h"
 
 namespace ls_torch {
 
@@ -80,8 +79,7 @@ inline void launch(const char* op, F&& f) {
   {
     // Called from Python the GIL is held and released here; called from an autograd node's backward
     // (the engine's thread, autograd.cpp) it is not held and there is nothing to release.
-    std::optional<pybind11::gil_scoped_release> nogil;
-    if (PyGILState_Check()) nogil.emplace();
+    ReleaseGilIfHeld nogil;
     try {
       f();
     } catch (const std::runtime_error& e) {

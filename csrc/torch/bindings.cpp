@@ -93,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer_fwd", guarded(&decoder_layer_fwd),
         "a decoder layer's full-sequence forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
         py::arg("self_attn_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
-        py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"), py::arg("activation"),
-        py::arg("normalize_before"), py::arg("short_len"));
+        py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
+        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"));
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

@@ -13,11 +13,12 @@
 //   decoder: the 12 above, then encoder_attn_layer_norm.{weight,bias}, encoder_attn.q_proj.{weight,bias},
 //            encoder_attn.out_proj.{weight,bias}                                            (18)
 // eps: the layer norms' eps in the same order (self-attention, final[, encoder-attention]).
-// Dropout probabilities are the effective ones (0 outside training).
+// Dropout probabilities are the effective ones (0 outside training); the decoder's encoder-attention has its own.
 #include <torch/extension.h>
 
 #include <ATen/Context.h>
 
+#include "torch/gil.h"
 #include "torch/ops.h"
 
 namespace ls_torch {
@@ -101,7 +102,7 @@ Tensor merge_heads(const Tensor& x) {
 }
 
 struct Dropouts {
-  double dropout, act, attn;
+  double dropout, act, attn, cross_attn;  // cross_attn: the decoder's encoder-attention
 };
 
 // (input of the block, its residual): layer_norm(x) and x for pre-LN, x and x for post-LN
@@ -143,7 +144,7 @@ Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, 
   auto [h, residual] = block_input(x, pre, w[12], w[13], eps);
   const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
   Tensor q = ag_linear(h, w[14], w[15]).view({B, T, num_heads, C / num_heads}).transpose(1, 2);
-  Tensor out = attention(q, k, v, attend, false, p.attn, short_len);
+  Tensor out = attention(q, k, v, attend, false, p.cross_attn, short_len);
   h = ag_linear(merge_heads(out), w[16], std::nullopt);
   return block_output(h, w[17], residual, p.dropout, pre, w[12], w[13], eps);
 }
@@ -167,7 +168,7 @@ void check_layer(const char* op, const Tensor& x, const std::vector<Tensor>& w, 
              x.scalar_type(), " on ", x.device().str());
   }
   LS_CHECK(activation == "relu" || activation == "gelu", op, ": unsupported activation '", activation, "'");
-  for (double q : {p.dropout, p.act, p.attn})
+  for (double q : {p.dropout, p.act, p.attn, p.cross_attn})
     LS_CHECK(q >= 0.0 && q < 1.0, op, ": dropout probability must be in [0, 1), got ", q);
 }
 
@@ -180,14 +181,6 @@ void check_padding_mask(const char* op, const char* what, const OptTensor& mask,
            x.device().str());
 }
 
-// Releases the GIL for the layer when the caller holds it (a call from Python); nothing below needs it.
-struct NoGil {
-  std::optional<pybind11::gil_scoped_release> release;
-  NoGil() {
-    if (PyGILState_Check()) release.emplace();
-  }
-};
-
 }  // namespace
 
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
@@ -195,10 +188,10 @@ Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, con
                          double attention_dropout, const std::string& activation, bool normalize_before,
                          int64_t short_len) {
   const char* op = "encoder_layer";
-  const Dropouts p{dropout, activation_dropout, attention_dropout};
+  const Dropouts p{dropout, activation_dropout, attention_dropout, 0.0};
   check_layer(op, x, weights, 12, eps, 2, num_heads, activation, p);
   check_padding_mask(op, "key_padding_mask", key_padding_mask, x.size(0), x.size(1), x);
-  NoGil nogil;
+  ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor attend = present(key_padding_mask) ? OptTensor(attend_mask(*key_padding_mask)) : std::nullopt;
   Tensor h = self_attention_block(x, attend, false, weights, eps[0], num_heads, p, normalize_before, short_len);
   return ffn_block(h, weights, eps[1], activation, p, normalize_before);
@@ -208,9 +201,10 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
                          const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
-                         const std::string& activation, bool normalize_before, int64_t short_len) {
+                         double cross_attention_dropout, const std::string& activation, bool normalize_before,
+                         int64_t short_len) {
   const char* op = "decoder_layer";
-  const Dropouts p{dropout, activation_dropout, attention_dropout};
+  const Dropouts p{dropout, activation_dropout, attention_dropout, cross_attention_dropout};
   check_layer(op, x, weights, 18, eps, 3, num_heads, activation, p);
   const int64_t B = x.size(0), C = x.size(2);
   for (const Tensor* t : {&cross_k, &cross_v})
@@ -220,7 +214,7 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
              t->sizes());
   check_padding_mask(op, "encoder_padding_mask", encoder_padding_mask, B, cross_k.size(2), x);
   check_padding_mask(op, "self_attn_padding_mask", self_attn_padding_mask, B, x.size(1), x);
-  NoGil nogil;
+  ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor self_attend =
       present(self_attn_padding_mask) ? OptTensor(attend_mask(*self_attn_padding_mask)) : std::nullopt;
   OptTensor enc_attend = present(encoder_padding_mask) ? OptTensor(attend_mask(*encoder_padding_mask)) : std::nullopt;

@@ -72,6 +72,7 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
                          const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
-                         const std::string& activation, bool normalize_before, int64_t short_len);
+                         double cross_attention_dropout, const std::string& activation, bool normalize_before,
+                         int64_t short_len);
 
 }  // namespace ls_torch

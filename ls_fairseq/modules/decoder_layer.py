@@ -7,7 +7,6 @@ result into 2 * n_layers head-split tensors. In backward, every layer's dK/dV la
 one buffer and one GEMM produces the encoder-output gradient.
 """
 
-import importlib
 import math
 from typing import Dict, List, Optional
 
@@ -16,12 +15,8 @@ import torch.nn as nn
 
 from ls_fairseq import ops
 from ls_fairseq.modules.attention import CrossAttention, SelfAttention, check_heads, linear_bias_init_, xavier_block_
-from ls_fairseq.modules.encoder_layer import EncoderLayer
+from ls_fairseq.modules.encoder_layer import EncoderLayer, _attention_p
 from ls_fairseq.modules.layer_norm import LayerNorm
-from ls_fairseq.ops._dispatch import cpp_layers
-from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
-
-_attention_ops = importlib.import_module("ls_fairseq.ops.attention")  # the module; ops.attention is the op
 
 
 class BatchedCrossKV(nn.Module):
@@ -58,13 +53,10 @@ class DecoderLayer(EncoderLayer):
 
     def forward(self, x, cross_k, cross_v, encoder_padding_mask=None, self_attn_padding_mask=None,
                 cache: Optional[Dict[str, torch.Tensor]] = None):
-        mod = cpp_layers(x) if cache is None and 0 < self.embed_dim <= KERNEL_MAX_C else None
-        if mod is not None and self.encoder_attn.attention_dropout == self.self_attn.attention_dropout:
-            # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
+        mod = self.cpp_module(x) if cache is None else None
+        if mod is not None:  # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
             return mod.decoder_layer_fwd(x, cross_k, cross_v, encoder_padding_mask, self_attn_padding_mask,
-                                         self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads,
-                                         *self.cpp_dropouts(), self.activation, self.normalize_before,
-                                         _attention_ops.SHORT_ATTENTION_LEN)
+                                         *self.cpp_args())
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=self_attn_padding_mask, cache=cache)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
@@ -85,3 +77,7 @@ class DecoderLayer(EncoderLayer):
 
     def cpp_eps(self):
         return super().cpp_eps() + [self.encoder_attn_layer_norm.eps]
+
+    def cpp_dropouts(self):
+        """The encoder layer's three, then the encoder-attention's dropout."""
+        return (*super().cpp_dropouts(), _attention_p(self.encoder_attn))

@@ -18,6 +18,11 @@ from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
 _attention_ops = importlib.import_module("ls_fairseq.ops.attention")  # the module; ops.attention is the op
 
 
+def _attention_p(attn) -> float:
+    """An attention block's dropout probability as it applies it (0 outside training)."""
+    return float(attn.attention_dropout) if attn.training else 0.0
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, embed_dim: int, ffn_dim: int, num_heads: int, dropout: float = 0.1,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
@@ -40,17 +45,24 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x, key_padding_mask=None):
         """x [B, T, C]; key_padding_mask [B, T] (True = pad) or None."""
-        mod = cpp_layers(x) if 0 < self.embed_dim <= KERNEL_MAX_C else None
+        mod = self.cpp_module(x)
         if mod is not None:  # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
-            return mod.encoder_layer_fwd(x, key_padding_mask, self.cpp_weights(), self.cpp_eps(),
-                                         self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
-                                         self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN)
+            return mod.encoder_layer_fwd(x, key_padding_mask, *self.cpp_args())
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
         h = self.self_attn(h, key_padding_mask=key_padding_mask)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
         return self.ffn(x)
+
+    def cpp_module(self, x):
+        """The extension when this layer's forward on ``x`` runs as one C++ call, else None."""
+        return cpp_layers(x) if 0 < self.embed_dim <= KERNEL_MAX_C else None
+
+    def cpp_args(self):
+        """The C++ layer call's arguments after its inputs and masks (csrc/torch/layers.cpp)."""
+        return (self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
+                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN)
 
     def cpp_weights(self):
         """The weights in the order csrc/torch/layers.cpp takes them."""
@@ -63,10 +75,11 @@ class EncoderLayer(nn.Module):
         return [self.self_attn_layer_norm.eps, self.final_layer_norm.eps]
 
     def cpp_dropouts(self):
-        """(dropout, activation dropout, attention dropout) as the ops below apply them."""
-        if not self.training:
-            return 0.0, 0.0, 0.0
-        return float(self.dropout), float(self.activation_dropout), float(self.self_attn.attention_dropout)
+        """(dropout, activation dropout, attention dropout) as the ops below apply them: each with the
+        training flag of the module that applies it."""
+        on = self.training
+        return (float(self.dropout) if on else 0.0, float(self.activation_dropout) if on else 0.0,
+                _attention_p(self.self_attn))
 
     def ffn(self, x):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
