@@ -108,6 +108,9 @@ def _train_main(cfg, **kwargs):
     from fairseq_cli import train as fairseq_train
 
     from ls_fairseq.cli import affinity
+    from ls_fairseq.fairseq_ext import graph_step
+
+    graph_step.OPTIONS.update(kwargs.pop("ls_graph", None) or {})
 
     dt = cfg.distributed_training
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or getattr(dt, "distributed_num_procs", None) or 1)
@@ -152,7 +155,21 @@ def use_ls_trainer(fairseq_train_module) -> bool:
     return True
 
 
+GRAPH_STEP_HELP = (
+    "lightseq-train: replay each micro-batch's forward and backward from CUDA graphs (ls_transformer, "
+    "ls_label_smoothed_cross_entropy, ls_adam, one GPU; batches are padded to a few shape buckets, which "
+    "leaves the loss and gradients unchanged). Runs that cannot take it use the eager step and say why "
+    "in the log (default: on)"
+)
+GRAPH_BUCKETS_HELP = (
+    "lightseq-train: at most this many padded batch shapes (one pair of CUDA graphs each) for "
+    "--ls-graph-step; fewer buckets capture faster but compute more padding (default: %(default)s)"
+)
+
+
 def _modify_parser(parser: argparse.ArgumentParser) -> None:
+    from ls_fairseq.fairseq_ext.graph_step import DEFAULT_BUCKETS
+
     parser.epilog = EPILOG
     for action in parser._actions:
         if action.dest == "bf16":
@@ -161,6 +178,11 @@ def _modify_parser(parser: argparse.ArgumentParser) -> None:
             action.help = MEM_BF16_HELP
         elif action.dest == "grouped_shuffling":
             action.help = GROUPED_HELP
+    if not any(a.dest == "ls_graph_step" for a in parser._actions):  # fairseq calls this more than once
+        group = parser.add_argument_group("lightseq-train")
+        group.add_argument("--ls-graph-step", choices=("on", "off"), default="on", help=GRAPH_STEP_HELP)
+        group.add_argument("--ls-graph-buckets", type=int, default=DEFAULT_BUCKETS, metavar="N",
+                           help=GRAPH_BUCKETS_HELP)
 
 
 def check_precision_flags(argv: List[str]) -> None:
@@ -200,7 +222,14 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         logger.info("--optimizer ls_adam under legacy_ddp: gradient buckets of %d MB (give --bucket-cap-mb to "
                     "choose another size)", args.bucket_cap_mb)
     keep_epoch_iterator(args, argv)
+    if args.ls_graph_buckets < 1:
+        raise SystemExit(f"lightseq-train: --ls-graph-buckets must be >= 1, got {args.ls_graph_buckets}")
     return args
+
+
+def graph_options(args: argparse.Namespace) -> dict:
+    """lightseq-train's CUDA-graph flags, as :data:`ls_fairseq.fairseq_ext.graph_step.OPTIONS` takes them."""
+    return {"on": getattr(args, "ls_graph_step", "off") == "on", "buckets": int(getattr(args, "ls_graph_buckets", 1))}
 
 
 # lightseq-train's --bucket-cap-mb where ls_adam reduces the gradients itself. Each bucket costs the
@@ -306,9 +335,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
 
         with torch.cuda.profiler.profile():
             with torch.autograd.profiler.emit_nvtx():
-                distributed_utils.call_main(cfg, _train_main)
+                distributed_utils.call_main(cfg, _train_main, ls_graph=graph_options(args))
     else:
-        distributed_utils.call_main(cfg, _train_main)
+        distributed_utils.call_main(cfg, _train_main, ls_graph=graph_options(args))
 
 
 if __name__ == "__main__":

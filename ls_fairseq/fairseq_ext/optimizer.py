@@ -127,10 +127,10 @@ class LSFairseqAdam(FairseqOptimizer):
     def sharded(self) -> bool:
         return self._optimizer.sharded
 
-    def zero_grad(self):
+    def zero_grad(self, in_place: bool = False):
         if self.__dict__.get("_reducer") is not None:
             self._reducer.finish()  # a round nobody closed (an error between backward and step)
-        self._optimizer.zero_grad()
+        self._optimizer.zero_grad(in_place=in_place)
 
     def all_reduce_grads(self, module):
         """Under ``--ddp-backend legacy_ddp``: average the flat gradient buffers over the workers.

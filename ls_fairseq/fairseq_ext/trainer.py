@@ -533,16 +533,40 @@ class LSTrainer(Trainer):
             logger.info("LSTrainer: fairseq's step body (%s)", reason)
         return ok
 
+    def _graph_step(self):
+        """The CUDA-graph micro-batch engine (:mod:`ls_fairseq.fairseq_ext.graph_step`), or None: decided
+        once per run; the reason it is off is logged once."""
+        if "_ls_graphs" in self.__dict__:
+            return self._ls_graphs
+        from ls_fairseq.fairseq_ext import graph_step
+
+        engine = None
+        if graph_step.OPTIONS["on"]:
+            reason = graph_step.unsupported_reason(self)
+            if reason is None:
+                engine = graph_step.GraphStep(self, graph_step.OPTIONS["buckets"])
+                itr = self.__dict__.get("_ls_epoch_itr")
+                if itr is not None:
+                    engine.plan(itr)
+            else:
+                logger.info("CUDA-graph step off (%s): each micro-batch is launched eagerly", reason)
+        self._ls_graphs = engine
+        return engine
+
     def _deferred_train_step(self, samples, raise_oom=False):
         """fairseq's Trainer.train_step for ls_adam, with every host read deferred (module docstring)."""
         self._set_seed()
         self.model.train()
         self.criterion.train()
-        self.zero_grad()
-        metrics.log_start_time("train_wall", priority=800, round=0)
-
         opt = self.optimizer
         ls_adam, scaler = _inner_and_scaler(opt)
+        graphs = self._graph_step()
+        if graphs is not None:
+            ls_adam.zero_grad(in_place=True)  # the graphs add into the flat gradient buffers
+        else:
+            self.zero_grad()
+        metrics.log_start_time("train_wall", priority=800, round=0)
+
         scale = self._device_loss_scale(scaler)
         knobs = self._knobs()
         world = self.data_parallel_world_size
@@ -554,17 +578,22 @@ class LSTrainer(Trainer):
         logging_outputs, sample_size, ooms = [], 0, 0
         is_dummy_batch = False
         for i, sample in enumerate(samples):  # delayed update loop
-            sample, is_dummy_batch = self._prepare_sample(sample)
             no_sync = world > 1 and hasattr(self.model, "no_sync") and i < len(samples) - 1
             try:
                 if timer is not None:
                     events.append(timer.mark())
-                with self.model.no_sync() if no_sync else contextlib.nullcontext():
-                    loss, sample_size_i, logging_output = self.task.train_step(
-                        sample=sample, model=self.model, criterion=self.criterion, optimizer=task_opt,
-                        update_num=self.get_num_updates(), ignore_grad=is_dummy_batch,
-                    )
-                    del loss
+                graphed = None if graphs is None else graphs.micro_batch(sample, task_opt, self.get_num_updates())
+                if graphed is not None:  # forward and backward replayed from CUDA graphs
+                    _, sample_size_i, logging_output = graphed
+                    is_dummy_batch = False
+                else:
+                    sample, is_dummy_batch = self._prepare_sample(sample)
+                    with self.model.no_sync() if no_sync else contextlib.nullcontext():
+                        loss, sample_size_i, logging_output = self.task.train_step(
+                            sample=sample, model=self.model, criterion=self.criterion, optimizer=task_opt,
+                            update_num=self.get_num_updates(), ignore_grad=is_dummy_batch,
+                        )
+                        del loss
                 if timer is not None:
                     events.append(timer.mark())
                 logging_outputs.append(logging_output)
@@ -865,6 +894,9 @@ class LSTrainer(Trainer):
         if self.cfg.dataset.grouped_shuffling:
             itr = group_batches_by_update(itr, self.cfg.optimization.update_freq)
         self._ls_epoch_itr = itr
+        graphs = self.__dict__.get("_ls_graphs")
+        if graphs is not None:
+            graphs.plan(itr)
         return itr
 
     def begin_epoch(self, epoch):

@@ -167,11 +167,19 @@ class LSAdam(torch.optim.Optimizer):
                     buf.grad.div_(world_size)
                 all_reduce(buf.grad)
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True, in_place: bool = False):
         """Clear the gradients: ``p.grad`` becomes None (``set_to_none`` is ignored); the flat
-        buffers are refilled from the next backward's gradients when they are read."""
+        buffers are refilled from the next backward's gradients when they are read. With
+        ``in_place`` every ``p.grad`` is its view of the flat buffer instead, and the buffers are
+        zeroed: the next backward adds into them (what a captured CUDA-graph backward needs, whose
+        gradient additions are fixed to those addresses)."""
         for ws in self._workspaces:
-            ws.zero_grad()
+            if in_place:
+                for buf in ws.buffers:
+                    buf.sync(keep_grads=False)
+                    buf.grad.zero_()
+            else:
+                ws.zero_grad()
         self._grad_factor = 1.0
         self._synced = False
 

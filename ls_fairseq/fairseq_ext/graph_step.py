@@ -1,0 +1,337 @@
+"""The CUDA-graph training step: each micro-batch's forward and backward as two graph replays.
+
+An eager ls_transformer micro-batch launches several hundred kernels; on a host that launches
+slower than the GPU runs them, the GPU idles between kernels. Here each batch is padded up to one
+of a few shape buckets (:mod:`ls_fairseq.fairseq_ext.shape_buckets`) and, per bucket, the model's
+body (encoder, decoder up to its final layer norm) is captured once as two CUDA graphs: its
+forward, and its backward from the gradient of the decoder features into the parameters' gradient
+buffers. A micro-batch is then:
+
+1. the padded batch copied to the GPU in one transfer, into the bucket's fixed input tensors;
+2. the forward graph replayed: the decoder features land in a fixed buffer;
+3. the head, eagerly: the vocabulary projection of the counted target positions and the fused
+   label-smoothed cross-entropy (a handful of kernels; its row count varies from batch to batch)
+   and its backward, which accumulates the output projection's gradient and yields the features'
+   gradient;
+4. the backward graph replayed: every other parameter's gradient is added into ls_adam's flat
+   gradient buffer, in place.
+
+The loss, the gradients and the logged statistics are those of the unpadded batch (padding is
+ignored by the masks and the loss; see :func:`shape_buckets.pad_batch`). Dropout stays random:
+the kernels draw their Philox seed and offset from torch's generator in the graph-safe way, so each
+replay gets fresh numbers, and fairseq's per-update seeding reproduces them. The optimizer step
+(ls_adam's deferred step: norm, clip, overflow test, fused Adam) stays eager: a few kernels.
+
+All graphs share one memory pool: the activations a forward saves live until its backward has
+run, so the pool holds about one micro-batch's activations whatever the number of buckets. The
+graphs are captured on a bucket's first batch after a short eager warm-up (library handles,
+kernel attributes); :class:`GraphStep` says once in the log why a run or a batch takes the eager
+step instead.
+"""
+
+import logging
+import time
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, pad_batch, plan_buckets, plan_report
+
+logger = logging.getLogger("fairseq.trainer")
+
+DEFAULT_BUCKETS = 48
+# Set by lightseq-train (--ls-graph-step, --ls-graph-buckets) in every training process before the
+# trainer is built; LSTrainer reads it when it takes its first step.
+OPTIONS = {"on": False, "buckets": DEFAULT_BUCKETS}
+WARMUP_UPDATES = 2  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
+_NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
+
+
+# ----------------------------------------------------------------------------- the split step
+def body(model, src_tokens, src_lengths, prev_output_tokens):
+    """Encoder and decoder up to the decoder's features [B, T, C] (what the graphs hold)."""
+    enc = model.encoder(src_tokens, src_lengths=src_lengths, src_has_padding=True)
+    x, _ = model.decoder.extract_features(prev_output_tokens, enc)
+    return x
+
+
+def head(model, criterion, features, rows, target_rows):
+    """(loss, nll_loss) of the counted positions ``rows`` of ``features`` [B, T, C], computed as
+    ls_label_smoothed_cross_entropy computes them from the full model."""
+    from ls_fairseq.ops import label_smoothed_cross_entropy
+
+    x = features.reshape(-1, features.shape[-1]).index_select(0, rows)
+    logits = model.decoder.output_layer(x)
+    return label_smoothed_cross_entropy(logits, target_rows, criterion.eps, ignore_index=criterion.padding_idx)
+
+
+def logging_output(criterion, loss, nll_loss, ntokens, nsentences):
+    sample_size = nsentences if criterion.sentence_avg else ntokens
+    return sample_size, {"loss": loss.data, "nll_loss": nll_loss.data, "ntokens": ntokens,
+                         "nsentences": nsentences, "sample_size": sample_size}
+
+
+def padded_inputs(sample, bucket: Bucket, criterion, pad: int, eos: int, left_pad_source: bool):
+    """The host tensors of ``sample`` padded to ``bucket``: (src_tokens, src_lengths,
+    prev_output_tokens, rows, target_rows), rows indexing the flattened padded target."""
+    net = sample["net_input"]
+    src, lengths, prev, tgt = pad_batch(net["src_tokens"], net["prev_output_tokens"], sample["target"], bucket,
+                                        pad, eos, left_pad_source)
+    rows = criterion.counted_rows(tgt)
+    return src, lengths, prev, rows, tgt.reshape(-1).index_select(0, rows)
+
+
+def split_step(model, criterion, sample, bucket: Bucket, pad: int, eos: int, left_pad_source: bool = True,
+               backward=None):
+    """The graph step's arithmetic without graphs (any device): body, head, backward through the
+    head into the features, backward through the body. Returns (loss, sample_size, logging output).
+    ``backward(loss)`` (optional) replaces ``loss.backward()`` (the trainer's loss scaling)."""
+    dev = next(model.parameters()).device
+    src, lengths, prev, rows, target_rows = (t.to(dev) for t in padded_inputs(
+        sample, bucket, criterion, pad, eos, left_pad_source))
+    feats = body(model, src, lengths, prev)
+    leaf = feats.detach().requires_grad_(True)
+    loss, nll = head(model, criterion, leaf, rows, target_rows)
+    (backward or torch.Tensor.backward)(loss)
+    torch.autograd.backward(feats, leaf.grad)
+    sample_size, log = logging_output(criterion, loss, nll, sample["ntokens"], sample["target"].size(0))
+    return loss, sample_size, log
+
+
+# ----------------------------------------------------------------------------- eligibility
+def unsupported_reason(trainer) -> Optional[str]:
+    """Why this run cannot take the CUDA-graph step (None when it can)."""
+    from fairseq.tasks import FairseqTask
+    from fairseq.tasks.translation import TranslationTask
+
+    from ls_fairseq.fairseq_ext.criterion import LSLabelSmoothedCrossEntropyCriterion
+    from ls_fairseq.fairseq_ext.model import LSTransformerModel
+
+    if not trainer.cuda:
+        return "not on a CUDA device"
+    cfg = trainer.cfg
+    model, criterion, task = trainer._model, trainer._criterion, trainer.task
+    if trainer.data_parallel_world_size > 1:
+        return "more than one GPU (the graphs hold one GPU's step)"
+    if type(model) is not LSTransformerModel:
+        return f"model {type(model).__name__} (the graphs hold ls_transformer)"
+    if type(criterion) is not LSLabelSmoothedCrossEntropyCriterion:
+        return f"criterion {type(criterion).__name__} (the graphs need ls_label_smoothed_cross_entropy)"
+    if criterion.report_accuracy:
+        return "--report-accuracy"
+    if not isinstance(task, TranslationTask) or type(task).train_step is not FairseqTask.train_step:
+        return f"task {type(task).__name__} (the graphs need translation's plain train step)"
+    if getattr(task.cfg, "left_pad_target", False) or not model.decoder.right_padded_targets:
+        return "--left-pad-target"
+    if model.encoder.checkpoint_activations or model.decoder.checkpoint_activations:
+        return "--checkpoint-activations"
+    if cfg.common.amp:
+        return "--amp"
+    return None
+
+
+# ----------------------------------------------------------------------------- the engine
+class _Graphs:
+    """One bucket's captured forward and backward and the views they read and write."""
+
+    def __init__(self, fwd, bwd, src, lengths, prev, feats, grad):
+        self.fwd, self.bwd = fwd, bwd
+        self.src, self.lengths, self.prev = src, lengths, prev
+        self.feats, self.grad = feats, grad
+
+
+class GraphStep:
+    """The CUDA-graph micro-batch of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer` (module
+    docstring). :meth:`micro_batch` returns None for a batch it leaves to the eager step."""
+
+    def __init__(self, trainer, max_buckets: int = DEFAULT_BUCKETS):
+        self.trainer = trainer
+        self.model = trainer._model
+        self.criterion = trainer._criterion
+        self.max_buckets = int(max_buckets)
+        d = trainer.task.target_dictionary
+        self.pad, self.eos = d.pad(), d.eos()
+        self.left_pad_source = bool(getattr(trainer.task.cfg, "left_pad_source", True))
+        self.buckets = []
+        self._planned_for = None
+        self.graphs: Dict[Bucket, _Graphs] = {}
+        self.pool = None
+        self.stream = None
+        self.disabled = None  # why graphs were turned off for the rest of the run
+        self._said = set()
+        self.counts = {"graph": 0, "eager": 0}
+        self.capture_seconds = 0.0
+        self._host = []  # pinned staging buffers, used in turn
+        self._host_events = []
+        self._turn = 0
+        self._dev_in = self._feat_buf = self._grad_buf = None
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, epoch_itr) -> None:
+        """Choose the buckets from the batches of ``epoch_itr`` (fairseq's frozen batches)."""
+        batches = getattr(epoch_itr, "frozen_batches", None)
+        if batches is None or batches is self._planned_for:
+            return
+        ds = getattr(epoch_itr, "dataset", None)
+        src_sizes, tgt_sizes = getattr(ds, "src_sizes", None), getattr(ds, "tgt_sizes", None)
+        if src_sizes is None or tgt_sizes is None:
+            self._say("sizes", "CUDA-graph step: the dataset has no src_sizes / tgt_sizes; every batch takes "
+                               "the eager step")
+            return
+        t0 = time.perf_counter()
+        shapes = batch_shapes(batches, src_sizes, tgt_sizes)
+        self.buckets = plan_buckets(shapes, self.max_buckets)
+        self._planned_for = batches
+        distinct, extra, extra_tgt = plan_report(self.buckets, shapes)
+        logger.info("CUDA-graph step: %d shape buckets for %d batches of %d distinct shapes: %.1f%% more "
+                    "positions computed than fairseq's batches (%.1f%% more target positions; planned in %.2f s)",
+                    len(self.buckets), len(shapes), distinct, 100 * extra, 100 * extra_tgt,
+                    time.perf_counter() - t0)
+        self._alloc_shared()
+
+    def _alloc_shared(self):
+        """The device buffers every bucket's graphs read and write (only one bucket runs at a time),
+        and pinned host buffers for the batches' single transfer."""
+        if not self.buckets:
+            return
+        C = self.model.decoder.embed_tokens.embedding_dim
+        n_in = max(b.sentences * (b.src_len + b.tgt_len + 1) + 2 * b.sentences * b.tgt_len for b in self.buckets)
+        n_feat = max(b.sentences * b.tgt_len for b in self.buckets) * C
+        dev = self.trainer.device
+        dtype = next(self.model.parameters()).dtype
+        if self._dev_in is None or self._dev_in.numel() < n_in:
+            if self.graphs:  # graphs read the old buffers: capture again
+                self.graphs.clear()
+            self._dev_in = torch.zeros(n_in, dtype=torch.int64, device=dev)
+            self._host = [torch.zeros(n_in, dtype=torch.int64, pin_memory=True) for _ in range(4)]
+            self._host_events = [None] * len(self._host)
+        if self._feat_buf is None or self._feat_buf.numel() < n_feat or self._feat_buf.dtype != dtype:
+            self.graphs.clear()
+            self._feat_buf = torch.zeros(n_feat, dtype=dtype, device=dev)
+            self._grad_buf = torch.zeros(n_feat, dtype=dtype, device=dev)
+
+    # ------------------------------------------------------------------ one micro-batch
+    def micro_batch(self, sample, optimizer, num_updates: int):
+        """Forward and backward of the host ``sample`` through the graphs. Returns (loss,
+        sample_size, logging_output) as the task's train_step does, or None: take the eager step."""
+        if self.disabled is not None or not self.buckets or num_updates < WARMUP_UPDATES:
+            return None
+        if not isinstance(sample, dict) or not sample or set(sample.get("net_input", {})) - {"src_lengths"} \
+                != _NET_INPUT_KEYS - {"src_lengths"}:
+            return None
+        net = sample["net_input"]
+        if net["src_tokens"].device.type != "cpu":
+            return None
+        B, S = net["src_tokens"].shape
+        T = net["prev_output_tokens"].shape[1]
+        bucket = choose(self.buckets, B, S, T)
+        if bucket is None:
+            self.counts["eager"] += 1
+            self._say("fit", f"CUDA-graph step: a batch of shape ({B}, {S}, {T}) fits no shape bucket and takes "
+                             "the eager step (said once)")
+            return None
+        if self.model.training is False or self.criterion.training is False:
+            return None
+        src, lengths, prev, rows, target_rows = padded_inputs(sample, bucket, self.criterion, self.pad, self.eos,
+                                                              self.left_pad_source)
+        g = self.graphs.get(bucket)
+        views = self._views(bucket, rows.numel())
+        self._upload(views, src, lengths, prev, rows, target_rows)
+        if g is None:
+            g = self._capture(bucket, views)
+            if g is None:
+                return None
+        g.fwd.replay()
+        leaf = g.feats.detach().requires_grad_(True)
+        loss, nll = head(self.model, self.criterion, leaf, views["rows"], views["target_rows"])
+        optimizer.backward(loss)
+        g.grad.copy_(leaf.grad)
+        g.bwd.replay()
+        self.counts["graph"] += 1
+        return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
+
+    # ------------------------------------------------------------------ buffers
+    def _views(self, bucket: Bucket, n_rows: int):
+        """Fixed views of the shared input buffer for ``bucket`` (the graphs read the first three)."""
+        B, S, T = bucket.sentences, bucket.src_len, bucket.tgt_len
+        buf, out, pos = self._dev_in, {}, 0
+        for name, shape in (("src", (B, S)), ("lengths", (B,)), ("prev", (B, T)), ("rows", (n_rows,)),
+                            ("target_rows", (n_rows,))):
+            n = int(np.prod(shape))
+            out[name] = buf[pos:pos + n].view(shape)
+            pos += n
+        return out
+
+    def _upload(self, views, *tensors):
+        """One host-to-device copy of the padded batch, through a pinned staging buffer."""
+        turn = self._turn = (self._turn + 1) % len(self._host)
+        host = self._host[turn]
+        ev = self._host_events[turn]
+        if ev is not None:
+            ev.synchronize()  # the copy that last read this staging buffer (several batches ago)
+        pos = 0
+        for t in tensors:
+            n = t.numel()
+            host[pos:pos + n].copy_(t.reshape(-1))
+            pos += n
+        self._dev_in[:pos].copy_(host[:pos], non_blocking=True)
+        ev = self._host_events[turn] = torch.cuda.Event()
+        ev.record()
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, bucket: Bucket, views) -> Optional[_Graphs]:
+        t0 = time.perf_counter()
+        B, T = bucket.sentences, bucket.tgt_len
+        C = self.model.decoder.embed_tokens.embedding_dim
+        feats_out = self._feat_buf[:B * T * C].view(B, T, C)
+        grad_in = self._grad_buf[:B * T * C].view(B, T, C)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        cur = torch.cuda.current_stream()
+        self.stream.wait_stream(cur)
+        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        graph = None
+        try:
+            with torch.cuda.stream(self.stream):
+                graph = fwd
+                fwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                feats = body(self.model, views["src"], views["lengths"], views["prev"])
+                feats_out.copy_(feats)
+                fwd.capture_end()
+                graph = None
+                if self.pool is None:
+                    self.pool = fwd.pool()
+                graph = bwd
+                bwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                torch.autograd.backward(feats, grad_in)
+                bwd.capture_end()
+                graph = None
+                del feats
+        except Exception as e:  # noqa: BLE001 - any failure: the eager step for the rest of the run
+            if graph is not None:
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture is already invalid
+                    pass
+            cur.wait_stream(self.stream)
+            self.disabled = f"capture failed: {type(e).__name__}: {e}"
+            self.graphs.clear()
+            logger.warning("CUDA-graph step off for the rest of the run (%s); the eager step takes over",
+                           self.disabled)
+            return None
+        cur.wait_stream(self.stream)
+        g = self.graphs[bucket] = _Graphs(fwd, bwd, views["src"], views["lengths"], views["prev"], feats_out, grad_in)
+        dt = time.perf_counter() - t0
+        self.capture_seconds += dt
+        logger.debug("CUDA-graph step: captured %s in %.0f ms", bucket, dt * 1e3)
+        return g
+
+    def summary(self) -> str:
+        return (f"CUDA-graph step: {self.counts['graph']} micro-batches from {len(self.graphs)} captured buckets "
+                f"(capture {self.capture_seconds:.1f} s in all), {self.counts['eager']} eager")
+
+    def _say(self, key, msg):
+        if key not in self._said:
+            self._said.add(key)
+            logger.info(msg)

@@ -1,0 +1,167 @@
+"""Shape buckets for the CUDA-graph step: a small set of (sentences, source length, target length)
+shapes that every training batch of an epoch is padded up to.
+
+A CUDA graph replays fixed shapes. fairseq's --max-tokens batches come in hundreds of distinct
+shapes per epoch (almost every batch its own), so each batch is padded up to one of at most K
+bucket shapes. The batches are known before training starts (fairseq freezes them once; epochs
+only reorder them), so the buckets are chosen from the actual batch shapes: start with one bucket
+per distinct shape and repeatedly merge the two buckets whose merge (their element-wise maximum)
+adds the fewest computed tokens over the epoch, until K are left. Computed tokens of a batch in a
+bucket (B, S, T) are B * (S + T): the encoder runs over B x S positions and the decoder over B x T.
+
+Padding leaves the loss, the gradients and the logged statistics of the batch unchanged (see
+:func:`pad_batch`): padded positions are padding tokens, which the attention masks and the loss
+ignore, and padded sentences are one end-of-sentence source token with an all-padding target, so
+their loss and every gradient through them are exactly zero.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+MAX_POINTS = 1500  # distinct shapes the merge starts from (quadratic memory): coarser lengths beyond
+
+
+@dataclass(frozen=True)
+class Bucket:
+    sentences: int
+    src_len: int
+    tgt_len: int
+
+    @property
+    def tokens(self) -> int:
+        """Positions computed by the encoder and the decoder."""
+        return self.sentences * (self.src_len + self.tgt_len)
+
+    def holds(self, sentences: int, src_len: int, tgt_len: int) -> bool:
+        return sentences <= self.sentences and src_len <= self.src_len and tgt_len <= self.tgt_len
+
+
+def batch_shapes(batches: Sequence[Sequence[int]], src_sizes, tgt_sizes) -> np.ndarray:
+    """(sentences, longest source, longest target) of every batch: int64 [n, 3]."""
+    src_sizes = np.asarray(src_sizes)
+    tgt_sizes = np.asarray(tgt_sizes)
+    out = np.zeros((len(batches), 3), dtype=np.int64)
+    for i, b in enumerate(batches):
+        b = np.asarray(b, dtype=np.int64)
+        if b.size:
+            out[i] = (b.size, src_sizes[b].max(), tgt_sizes[b].max())
+    return out[out[:, 0] > 0]
+
+
+def _round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+def _distinct(shapes: np.ndarray):
+    """Distinct shapes and their counts; lengths rounded up to coarser multiples until at most
+    MAX_POINTS remain (very large corpora)."""
+    step = 1
+    while True:
+        pts = shapes.copy()
+        if step > 1:
+            pts[:, 1:] = _round_up(pts[:, 1:], step)
+        u, w = np.unique(pts, axis=0, return_counts=True)
+        if len(u) <= MAX_POINTS:
+            return u, w
+        step *= 2
+
+
+def plan_buckets(shapes: np.ndarray, max_buckets: int) -> List[Bucket]:
+    """At most ``max_buckets`` bucket shapes covering every shape in ``shapes`` (int [n, 3]), chosen
+    greedily to add the fewest computed tokens (module docstring). Sorted by computed tokens."""
+    if max_buckets < 1:
+        raise ValueError(f"the number of shape buckets must be >= 1, got {max_buckets}")
+    shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
+    if len(shapes) == 0:
+        return []
+    q, w = _distinct(shapes)
+    q = q.astype(np.float64)
+    w = w.astype(np.float64)
+    alive = np.ones(len(q), dtype=bool)
+
+    def cost(a):
+        return a[..., 0] * (a[..., 1] + a[..., 2])
+
+    own = w * cost(q)
+    merged = np.maximum(q[:, None, :], q[None, :, :])
+    delta = (w[:, None] + w[None, :]) * cost(merged) - own[:, None] - own[None, :]
+    del merged
+    np.fill_diagonal(delta, np.inf)
+    n = len(q)
+    while n > max_buckets:
+        i, j = divmod(int(np.argmin(delta)), delta.shape[1])
+        q[i] = np.maximum(q[i], q[j])
+        w[i] += w[j]
+        own[i] = w[i] * cost(q[i])
+        alive[j] = False
+        delta[j, :] = np.inf
+        delta[:, j] = np.inf
+        row = (w[i] + w) * cost(np.maximum(q[i][None, :], q)) - own[i] - own
+        row[~alive] = np.inf
+        row[i] = np.inf
+        delta[i, :] = row
+        delta[:, i] = row
+        n -= 1
+    out = [Bucket(*(int(v) for v in s)) for s in q[alive]]
+    return sorted(out, key=lambda b: (b.tokens, b.sentences, b.src_len, b.tgt_len))
+
+
+def choose(buckets: Sequence[Bucket], sentences: int, src_len: int, tgt_len: int) -> Optional[Bucket]:
+    """The bucket with the fewest computed tokens that holds the shape, or None."""
+    for b in buckets:  # sorted by computed tokens
+        if b.holds(sentences, src_len, tgt_len):
+            return b
+    return None
+
+
+def plan_report(buckets: Sequence[Bucket], shapes: np.ndarray) -> Tuple[int, float, float]:
+    """(distinct batch shapes, extra computed tokens over the batches as fairseq pads them, extra
+    target positions alone), the extras as fractions, for ``shapes`` assigned by :func:`choose`."""
+    shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
+    base = tgt_base = padded = tgt_padded = 0
+    for s in shapes:
+        b = choose(buckets, *(int(v) for v in s))
+        if b is None:
+            b = Bucket(*(int(v) for v in s))
+        base += int(s[0] * (s[1] + s[2]))
+        tgt_base += int(s[0] * s[2])
+        padded += b.tokens
+        tgt_padded += b.sentences * b.tgt_len
+    distinct = len(np.unique(shapes, axis=0)) if len(shapes) else 0
+    return distinct, padded / max(base, 1) - 1.0, tgt_padded / max(tgt_base, 1) - 1.0
+
+
+# ------------------------------------------------------------------------------ padding a batch
+def pad_batch(src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor, target: torch.Tensor,
+              bucket: Bucket, pad: int, eos: int, left_pad_source: bool = True):
+    """The batch padded to ``bucket``: (src_tokens [B', S'], src_lengths [B'], prev_output_tokens
+    [B', T'], target [B', T']) on the host, int64.
+
+    Source rows gain padding on their padded side (left by default: fairseq's positions count
+    real tokens, so they do not move), targets gain padding on the right (after the last real
+    token: the causal mask hides it from every real position). Added sentences are one
+    end-of-sentence source token and an all-padding target: the loss counts none of their
+    positions, so every gradient through them is zero."""
+    B, S = src_tokens.shape
+    T = prev_output_tokens.shape[1]
+    if not bucket.holds(B, S, T) or target.shape != prev_output_tokens.shape:
+        raise ValueError(f"batch of shape ({B}, {S}, {T}) does not fit the bucket {bucket}")
+    Bb, Sb, Tb = bucket.sentences, bucket.src_len, bucket.tgt_len
+    src = torch.full((Bb, Sb), pad, dtype=torch.int64)
+    if left_pad_source:
+        src[:B, Sb - S:] = src_tokens
+        src[B:, Sb - 1] = eos
+    else:
+        src[:B, :S] = src_tokens
+        src[B:, 0] = eos
+    lengths = torch.ones(Bb, dtype=torch.int64)
+    lengths[:B] = src_tokens.ne(pad).sum(1)
+    prev = torch.full((Bb, Tb), pad, dtype=torch.int64)
+    prev[:B, :T] = prev_output_tokens
+    prev[B:, 0] = eos
+    tgt = torch.full((Bb, Tb), pad, dtype=torch.int64)
+    tgt[:B, :T] = target
+    return src, lengths, prev, tgt

@@ -1,0 +1,187 @@
+"""The CUDA-graph step's CPU-side parts: the shape-bucket plan, padding a batch to a bucket, and the
+split step (body, head, two backwards) that the graphs replay, against fairseq's criterion on the
+unpadded batch. The graphs themselves are tested in tests/gpu/test_graph_step_gpu.py."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, pad_batch, plan_buckets, plan_report
+from tests._models import build_model, make_dict
+
+
+# ----------------------------------------------------------------------------- the plan
+def _wmt_like_shapes(n=3000, max_tokens=4096, seed=0):
+    from fairseq.data import data_utils
+
+    rng = np.random.default_rng(seed)
+    src = np.clip(np.round(rng.lognormal(3.2, 0.55, n)), 1, 250).astype(np.int64) + 1
+    tgt = np.clip(np.round((src - 1) * rng.normal(1.05, 0.15, n)), 1, 250).astype(np.int64) + 1
+    order = np.lexsort((tgt, src))
+    num = np.maximum(src, tgt)
+    batches = data_utils.batch_by_size(order, lambda i: num[i], max_tokens=max_tokens, required_batch_size_multiple=8)
+    return batches, src, tgt
+
+
+def test_plan_holds_every_batch_within_the_bucket_budget():
+    batches, src, tgt = _wmt_like_shapes()
+    shapes = batch_shapes(batches, src, tgt)
+    assert len(shapes) == len(batches)
+    for k in (1, 4, 16):
+        plan = plan_buckets(shapes, k)
+        assert 1 <= len(plan) <= k
+        for s in shapes:
+            b = choose(plan, *s)
+            assert b is not None and b.holds(*s)
+    one = plan_buckets(shapes, 1)[0]
+    assert one == Bucket(int(shapes[:, 0].max()), int(shapes[:, 1].max()), int(shapes[:, 2].max()))
+
+
+def test_plan_padding_shrinks_with_more_buckets_and_vanishes_at_one_per_shape():
+    batches, src, tgt = _wmt_like_shapes()
+    shapes = batch_shapes(batches, src, tgt)
+    distinct = len(np.unique(shapes, axis=0))
+    assert distinct > 12
+    extras = [plan_report(plan_buckets(shapes, k), shapes)[1] for k in (2, 5, 12)]
+    assert extras[0] > extras[1] > extras[2] > 0
+    n, extra, extra_tgt = plan_report(plan_buckets(shapes, distinct), shapes)
+    assert n == distinct and extra == 0 and extra_tgt == 0
+
+
+def test_choose_takes_the_cheapest_bucket_that_holds_the_batch():
+    plan = sorted([Bucket(8, 10, 10), Bucket(16, 8, 8), Bucket(8, 30, 30)], key=lambda b: b.tokens)
+    assert choose(plan, 8, 9, 10) == Bucket(8, 10, 10)
+    assert choose(plan, 16, 8, 7) == Bucket(16, 8, 8)
+    assert choose(plan, 8, 11, 3) == Bucket(8, 30, 30)
+    assert choose(plan, 17, 1, 1) is None
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_buckets(np.array([[8, 3, 3]]), 0)
+
+
+# ----------------------------------------------------------------------------- padding
+def _sample(d, lens_src, lens_tgt, seed=0):
+    """A fairseq translation batch: left-padded source, right-padded target, prev_output_tokens."""
+    g = torch.Generator().manual_seed(seed)
+    B, S, T = len(lens_src), max(lens_src), max(lens_tgt)
+    src = torch.full((B, S), d.pad())
+    tgt = torch.full((B, T), d.pad())
+    prev = torch.full((B, T), d.pad())
+    for i, (ls, lt) in enumerate(zip(lens_src, lens_tgt)):
+        src[i, S - ls:S - 1] = torch.randint(d.nspecial, len(d), (ls - 1,), generator=g)
+        src[i, S - 1] = d.eos()
+        tgt[i, :lt - 1] = torch.randint(d.nspecial, len(d), (lt - 1,), generator=g)
+        tgt[i, lt - 1] = d.eos()
+        prev[i, 0] = d.eos()
+        prev[i, 1:lt] = tgt[i, :lt - 1]
+    ntokens = int(tgt.ne(d.pad()).sum())
+    return {"id": torch.arange(B), "nsentences": B, "ntokens": ntokens, "target": tgt,
+            "net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1), "prev_output_tokens": prev}}
+
+
+def test_pad_batch_keeps_rows_and_pads_on_the_right_sides():
+    d = make_dict()
+    s = _sample(d, [4, 6, 2], [5, 3, 6])
+    net = s["net_input"]
+    src, lengths, prev, tgt = pad_batch(net["src_tokens"], net["prev_output_tokens"], s["target"], Bucket(5, 9, 8),
+                                        d.pad(), d.eos())
+    assert src.shape == (5, 9) and prev.shape == (5, 8) and tgt.shape == (5, 8)
+    assert torch.equal(src[:3, 3:], net["src_tokens"]) and src[:3, :3].eq(d.pad()).all()
+    assert torch.equal(prev[:3, :6], net["prev_output_tokens"]) and prev[:3, 6:].eq(d.pad()).all()
+    assert torch.equal(tgt[:3, :6], s["target"]) and tgt[3:].eq(d.pad()).all()
+    assert src[3:, -1].eq(d.eos()).all() and src[3:, :-1].eq(d.pad()).all()
+    assert torch.equal(lengths, torch.tensor([4, 6, 2, 1, 1]))
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_batch(net["src_tokens"], net["prev_output_tokens"], s["target"], Bucket(2, 9, 8), d.pad(), d.eos())
+
+
+# ----------------------------------------------------------------------------- the split step
+def _model_and_criterion(d, eps=0.1, normalize_before=False):
+    from ls_fairseq.fairseq_ext.criterion import LSLabelSmoothedCrossEntropyCriterion
+
+    torch.manual_seed(0)
+    m = build_model("ls_transformer_tiny", d, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                    encoder_normalize_before=normalize_before, decoder_normalize_before=normalize_before,
+                    share_all_embeddings=True).double()
+    m.decoder.right_padded_targets = True
+    task = types.SimpleNamespace(target_dictionary=d, source_dictionary=d)
+    return m, LSLabelSmoothedCrossEntropyCriterion(task, False, eps)
+
+
+def _grads(m):
+    return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("normalize_before", [False, True])
+@pytest.mark.parametrize("bucket", [Bucket(3, 6, 6), Bucket(5, 9, 8), Bucket(8, 16, 11)])
+def test_split_step_on_a_padded_batch_equals_the_criterion_on_the_batch(bucket, normalize_before):
+    from ls_fairseq.fairseq_ext.graph_step import split_step
+
+    d = make_dict()
+    m, crit = _model_and_criterion(d, normalize_before=normalize_before)
+    sample = _sample(d, [4, 6, 2], [5, 3, 6])
+    m.train()
+    loss, size, log = crit(m, sample)
+    loss.backward()
+    ref = _grads(m)
+    m.zero_grad()
+    loss2, size2, log2 = split_step(m, crit, sample, bucket, d.pad(), d.eos())
+    got = _grads(m)
+    assert size2 == size == sample["ntokens"]
+    assert log2["nsentences"] == 3 and log2["ntokens"] == sample["ntokens"] and log2["sample_size"] == size
+    torch.testing.assert_close(log2["loss"], log["loss"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(log2["nll_loss"], log["nll_loss"], rtol=1e-12, atol=1e-12)
+    assert set(got) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_split_step_fails_when_padding_leaks_into_the_loss():
+    """The exactness test can fail: padding the bucket with a real token changes the loss."""
+    from ls_fairseq.fairseq_ext.graph_step import split_step
+
+    d = make_dict()
+    m, crit = _model_and_criterion(d)
+    sample = _sample(d, [4, 6, 2], [5, 3, 6])
+    loss, _, _ = crit(m, sample)
+    leaky = d.index("w7")  # pads the source with a word: the encoder attends to it
+    loss2, _, _ = split_step(m, crit, sample, Bucket(5, 9, 8), leaky, d.eos())
+    assert not torch.allclose(loss2, loss, rtol=1e-6)
+
+
+def test_split_step_with_right_padded_sources():
+    from ls_fairseq.fairseq_ext.graph_step import split_step
+
+    d = make_dict()
+    m, crit = _model_and_criterion(d)
+    sample = _sample(d, [4, 6, 2], [5, 3, 6])
+    net = sample["net_input"]
+    right = torch.full_like(net["src_tokens"], d.pad())
+    for i, n in enumerate(net["src_lengths"].tolist()):
+        right[i, :n] = net["src_tokens"][i, -n:]
+    net["src_tokens"] = right
+    loss, _, _ = crit(m, sample)
+    loss2, _, _ = split_step(m, crit, sample, Bucket(4, 8, 7), d.pad(), d.eos(), left_pad_source=False)
+    torch.testing.assert_close(loss2, loss, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the switch
+def test_graph_flags_parse_and_reach_the_options(tmp_path):
+    from ls_fairseq.cli import train
+
+    base = [str(tmp_path), "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3",
+            "--criterion", "ls_label_smoothed_cross_entropy", "--max-tokens", "64", "--cpu"]
+    args = train.parse(base)
+    assert train.graph_options(args) == {"on": True, "buckets": 48}
+    args = train.parse(base + ["--ls-graph-step", "off", "--ls-graph-buckets", "7"])
+    assert train.graph_options(args) == {"on": False, "buckets": 7}
+    with pytest.raises(SystemExit):
+        train.parse(base + ["--ls-graph-buckets", "0"])
+
+
+def test_a_cpu_run_says_why_it_takes_the_eager_step():
+    from ls_fairseq.fairseq_ext.graph_step import unsupported_reason
+
+    trainer = types.SimpleNamespace(cuda=False)
+    assert unsupported_reason(trainer) == "not on a CUDA device"
