@@ -6,6 +6,7 @@ profiles the same batches again and prints: top kernels by GPU time, the GEMM sh
 attention share, and the idle time (wall time not covered by any kernel).
 
     python benchmarks/profile_step.py DATA --arch ... [fairseq-train flags] [--batches 8] [--top 25] [--copies]
+        [--ls-graph-step on]  (the CUDA-graph step, as lightseq-train runs it by default)
 """
 
 import os
@@ -23,6 +24,7 @@ def main():
     copies = pop_flag(argv, "--copies")
     top = pop_option(argv, "--top", 25, int)
     n_batches = pop_option(argv, "--batches", 8, int)
+    graph_step = pop_option(argv, "--ls-graph-step", "off", str)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -31,6 +33,10 @@ def main():
     cfg, task, model, criterion = build(argv)
     if cfg.model._name.startswith("ls_"):  # what lightseq-train runs
         from ls_fairseq.fairseq_ext.trainer import LSTrainer as Trainer
+    if graph_step == "on":
+        from ls_fairseq.fairseq_ext import graph_step as gs
+
+        gs.OPTIONS["on"] = True
     trainer = Trainer(cfg, task, model, criterion)
     batches = first_batches(trainer, n_batches)
 

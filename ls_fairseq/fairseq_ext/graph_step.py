@@ -166,6 +166,9 @@ class GraphStep:
         self._host_events = []
         self._turn = 0
         self._dev_in = self._feat_buf = self._grad_buf = None
+        import atexit
+
+        atexit.register(self.log_summary)
 
     # ------------------------------------------------------------------ planning
     def plan(self, epoch_itr) -> None:
@@ -327,9 +330,15 @@ class GraphStep:
         logger.debug("CUDA-graph step: captured %s in %.0f ms", bucket, dt * 1e3)
         return g
 
-    def summary(self) -> str:
-        return (f"CUDA-graph step: {self.counts['graph']} micro-batches from {len(self.graphs)} captured buckets "
-                f"(capture {self.capture_seconds:.1f} s in all), {self.counts['eager']} eager")
+    def log_summary(self) -> None:
+        """One line on what the graphs did so far (at the end of each epoch and of the run)."""
+        seen = (self.counts["graph"], self.counts["eager"])
+        if seen == self.__dict__.get("_summarised"):
+            return
+        self._summarised = seen
+        logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%.1f s capturing), %d batches "
+                    "fitting no bucket", self.counts["graph"], len(self.graphs), self.capture_seconds,
+                    self.counts["eager"])
 
     def _say(self, key, msg):
         if key not in self._said:

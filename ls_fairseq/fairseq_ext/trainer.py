@@ -913,6 +913,9 @@ class LSTrainer(Trainer):
 
     def lr_step(self, epoch, val_loss=None):
         self._ls_resolve()
+        graphs = self.__dict__.get("_ls_graphs")
+        if graphs is not None:
+            graphs.log_summary()
         return super().lr_step(epoch, val_loss)
 
     def lr_step_begin_epoch(self, epoch):
