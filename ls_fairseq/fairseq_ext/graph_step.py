@@ -168,7 +168,7 @@ class GraphStep:
         self._dev_in = self._feat_buf = self._grad_buf = None
         import atexit
 
-        atexit.register(self.log_summary)
+        atexit.register(self.close)
 
     # ------------------------------------------------------------------ planning
     def plan(self, epoch_itr) -> None:
@@ -300,7 +300,8 @@ class GraphStep:
                 graph = fwd
                 fwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 feats = body(self.model, views["src"], views["lengths"], views["prev"])
-                feats_out.copy_(feats)
+                with torch.no_grad():  # a copy outside autograd: the buffer must not hold the graph
+                    feats_out.copy_(feats)
                 fwd.capture_end()
                 graph = None
                 if self.pool is None:
@@ -339,6 +340,15 @@ class GraphStep:
         logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%.1f s capturing), %d batches "
                     "fitting no bucket", self.counts["graph"], len(self.graphs), self.capture_seconds,
                     self.counts["eager"])
+
+    def close(self) -> None:
+        """Log the summary and release the graphs and their pool while CUDA is still up (at exit)."""
+        self.log_summary()
+        if self.graphs:
+            torch.cuda.synchronize()
+        self.graphs.clear()
+        self._dev_in = self._feat_buf = self._grad_buf = None
+        self.pool = self.stream = None
 
     def _say(self, key, msg):
         if key not in self._said:
