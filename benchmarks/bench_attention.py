@@ -6,6 +6,8 @@ For each length T (batch = tokens // T; 16 heads of 64, fp16, dropout 0.1) and e
 * ls      ls_fairseq.ops.attention (whatever it dispatches to);
 * flash   SDPA restricted to flash / memory-efficient (what ops.attention used before);
 * math    SDPA's math backend;
+* cudnn   SDPA's cuDNN backend (plans built once per shape, as under the CUDA-graph step); nan where it
+          cannot take the mask;
 * gemm    the batched GEMMs of an explicit-scores attention alone (2 forward, 4 backward): the
           floor of a scores-materialising implementation.
 
@@ -52,7 +54,7 @@ def main():
     from ls_fairseq import ops
 
     H, D, p = args.heads, args.head_dim, args.p
-    print(f"{'T':>4} {'B':>5} {'mask':>8} {'ls':>8} {'flash':>8} {'math':>8} {'gemm':>8}  ls/flash")
+    print(f"{'T':>4} {'B':>5} {'mask':>8} {'ls':>8} {'flash':>8} {'math':>8} {'gemm':>8} {'cudnn':>8}  ls/flash")
     for T in (int(t) for t in args.lengths.split(",")):
         B = max(1, args.tokens // T)
         for kind in ("none", "causal", "padding"):
@@ -93,6 +95,10 @@ def main():
 
             row = [timed(run_ls), timed(sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])),
                    timed(sdpa([SDPBackend.MATH])), timed(run_gemm)]
+            try:
+                row.append(timed(sdpa([SDPBackend.CUDNN_ATTENTION])))
+            except RuntimeError:  # no cuDNN kernel for this mask / shape
+                row.append(float("nan"))
             print(f"{T:4d} {B:5d} {kind:>8} " + " ".join(f"{x:8.3f}" for x in row) + f"  {row[0] / row[1]:.2f}",
                   flush=True)
 

@@ -33,7 +33,7 @@ def _train(corpus, tmp_path, name, *flags, updates=200, dropout=0.0, seed=1):
            "inverse_sqrt", "--warmup-updates", "50", "--criterion", "ls_label_smoothed_cross_entropy",
            "--label-smoothing", "0.1", "--dropout", str(dropout), "--attention-dropout", str(dropout),
            "--max-tokens", "2048", "--max-update", str(updates), "--seed", str(seed), "--no-save",
-           "--disable-validation", "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
+           "--disable-validation", "--log-format", "json", "--log-interval", "1", "--num-workers", "1",
            "--save-dir", str(save), "--ls-graph-buckets", "12", *flags]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     out = res.stdout + res.stderr
