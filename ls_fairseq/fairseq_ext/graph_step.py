@@ -252,6 +252,9 @@ class GraphStep:
         g.grad.copy_(leaf.grad)
         g.bwd.replay()
         self.counts["graph"] += 1
+        # detached: nothing may keep the head's autograd graph (and its AccumulateGrad nodes, bound to this
+        # stream) alive into the next capture, whose backward would then wait on this stream
+        loss, nll = loss.detach(), nll.detach()
         return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
 
     # ------------------------------------------------------------------ buffers
@@ -318,7 +321,11 @@ class GraphStep:
                     graph.capture_end()
                 except Exception:  # noqa: BLE001 - the capture is already invalid
                     pass
-            cur.wait_stream(self.stream)
+            try:
+                cur.wait_stream(self.stream)
+            except Exception as again:  # noqa: BLE001 - the stream cannot be used any more
+                raise RuntimeError(f"CUDA-graph capture failed ({type(e).__name__}: {e}) and the capture stream could "
+                                   "not be recovered; train with --ls-graph-step off") from again
             self.disabled = f"capture failed: {type(e).__name__}: {e}"
             self.graphs.clear()
             logger.warning("CUDA-graph step off for the rest of the run (%s); the eager step takes over",
