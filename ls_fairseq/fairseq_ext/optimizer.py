@@ -110,6 +110,11 @@ class LSFairseqAdam(FairseqOptimizer):
         return self._optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)
 
     def step(self, closure=None, scale=1.0, groups=None):
+        if not self.__dict__.get("_ls_trainer") and not self.__dict__.get("_said_trainer"):
+            self._said_trainer = True
+            if any(p.is_cuda for g in self._optimizer.param_groups for p in g["params"]):
+                logger.info("ls_adam under fairseq's own Trainer (fairseq-train): the deferred step and the CUDA-graph "
+                            "step of lightseq-train are not used; run lightseq-train with the same flags for them")
         self._optimizer.step(closure, scale=scale)
 
     def request_sharding(self, on=True):

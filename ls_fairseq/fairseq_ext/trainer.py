@@ -523,6 +523,8 @@ class LSTrainer(Trainer):
             reason = "the criterion's logging outputs cannot be summed across ranks"
         ok = reason is None
         self._ls_deferred = (opt, ok)
+        if isinstance(inner, LSFairseqAdam):
+            inner._ls_trainer = True  # lightseq-train's trainer drives it (see LSFairseqAdam.step)
         shard = shard_adam_requested()
         if ok and self.data_parallel_world_size > 1 and shard:
             inner.request_sharding(shard)
