@@ -185,3 +185,24 @@ def test_a_cpu_run_says_why_it_takes_the_eager_step():
 
     trainer = types.SimpleNamespace(cuda=False)
     assert unsupported_reason(trainer) == "not on a CUDA device"
+
+
+def test_the_graphs_follow_a_rebuilt_optimizer():
+    """The graphs are fixed to ls_adam's flat buffers: a new optimizer (fairseq rebuilds it when it loads a
+    checkpoint) has other buffers, and the key that makes the graph step capture again changes with them."""
+    from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer  # noqa: F401  (the wrapper's path)
+
+    from ls_fairseq.fairseq_ext.graph_step import GraphStep
+    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
+    from ls_fairseq.fairseq_ext.trainer import _ScaledLossOptimizer
+
+    net = torch.nn.Linear(4, 3)
+    a = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(net.parameters()))
+    key = GraphStep._buffers_key(_ScaledLossOptimizer(a, None))
+    assert key and GraphStep._buffers_key(a) == key
+    assert GraphStep._buffers_key(_ScaledLossOptimizer(a, None)) == key  # stable while the optimizer lives
+    b = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(net.parameters()))
+    assert GraphStep._buffers_key(_ScaledLossOptimizer(b, None)) != key
+    wrapped = types.SimpleNamespace(wrapped_optimizer=b)
+    assert GraphStep._buffers_key(_ScaledLossOptimizer(wrapped, None)) == GraphStep._buffers_key(b)
+    assert GraphStep._buffers_key(torch.optim.SGD(net.parameters(), lr=0.1)) is None

@@ -238,6 +238,12 @@ class GraphStep:
             return None
         src, lengths, prev, rows, target_rows = padded_inputs(sample, bucket, self.criterion, self.pad, self.eos,
                                                               self.left_pad_source)
+        key = self._buffers_key(optimizer)
+        if key != self.__dict__.get("_key"):
+            if self.graphs:  # a new optimizer (its own flat buffers): the graphs read and write the old ones
+                logger.info("CUDA-graph step: the parameter buffers changed; the buckets are captured again")
+                self.graphs.clear()
+            self._key = key
         g = self.graphs.get(bucket)
         views = self._views(bucket, rows.numel())
         self._upload(views, src, lengths, prev, rows, target_rows)
@@ -258,6 +264,20 @@ class GraphStep:
         return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
 
     # ------------------------------------------------------------------ buffers
+    @staticmethod
+    def _buffers_key(optimizer):
+        """Addresses of ls_adam's flat weight and gradient buffers, which the graphs read and write."""
+        from ls_fairseq.fairseq_ext.optimizer import LSFairseqAdam
+
+        opt = optimizer
+        for _ in range(4):  # the trainer's loss-scaling view, fairseq's memory-efficient fp16/bf16 wrapper
+            if opt is None or isinstance(opt, LSFairseqAdam):
+                break
+            opt = opt.wrapped_optimizer if hasattr(opt, "wrapped_optimizer") else getattr(opt, "_optimizer", None)
+        if not isinstance(opt, LSFairseqAdam):
+            return None
+        return tuple((buf.param.data_ptr(), buf.grad.data_ptr()) for ws in opt._optimizer.workspaces for buf in ws.buffers)
+
     def _views(self, bucket: Bucket, n_rows: int):
         """Fixed views of the shared input buffer for ``bucket`` (the graphs read the first three)."""
         B, S, T = bucket.sentences, bucket.src_len, bucket.tgt_len
