@@ -1,14 +1,20 @@
-"""Install ls_fairseq.
+"""Build ls_fairseq (metadata and entry points are in pyproject.toml).
 
-The CUDA extension ls_fairseq._C is built only when torch is a CUDA build and nvcc is
-found (or LS_FAIRSEQ_FORCE_CUDA=1); otherwise a pure-Python package is installed and the
-ops run their PyTorch references. torch is deliberately NOT listed in install_requires:
-the environment's own torch is used, and pip never pulls a second one.
-Install with:  pip install --no-build-isolation -e .
+The CUDA extension ls_fairseq._C is built when torch is a CUDA build and nvcc is found (or
+LS_FAIRSEQ_FORCE_CUDA=1); otherwise a pure-Python package is installed and the ops run their
+PyTorch references. torch is deliberately not a dependency: the environment's own torch is used,
+and pip must not build in an isolated environment without it. Install with:
+
+    pip install --no-build-isolation -e .
+
+On a machine with an NVIDIA GPU a build that cannot make the extension stops with the reason
+(LS_FAIRSEQ_NO_CUDA=1 installs without it on purpose).
 """
 
 import glob
 import os
+import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -20,22 +26,48 @@ from _build_flags import cxx_flags, host_compiler_env, links_shared_libstdcxx, n
 sys.path.pop(0)
 
 
+def _gpu_visible() -> bool:
+    """Whether this machine has an NVIDIA GPU (device nodes, or nvidia-smi listing one)."""
+    if os.path.exists("/dev/nvidia0"):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "GPU" in out
+
+
+def _without_extension(reason: str, fix: str):
+    """Install the pure-Python package, or stop when a GPU is here (it would silently train on the slow path)."""
+    if _gpu_visible():
+        sys.exit(f"ls_fairseq: this machine has an NVIDIA GPU, but the CUDA extension cannot be built: {reason}. "
+                 f"{fix} (LS_FAIRSEQ_NO_CUDA=1 installs without the extension on purpose.)")
+    print(f"ls_fairseq: {reason}; installing without the CUDA extension (the ops run their PyTorch references)",
+          file=sys.stderr)
+    return [], {}
+
+
 def _cuda_extension():
     if os.environ.get("LS_FAIRSEQ_NO_CUDA") == "1":
-        print("ls_fairseq: LS_FAIRSEQ_NO_CUDA=1, installing without the CUDA extension")
+        print("ls_fairseq: LS_FAIRSEQ_NO_CUDA=1, installing without the CUDA extension", file=sys.stderr)
         return [], {}
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
-        print("ls_fairseq: torch not importable at build time, installing without the CUDA extension")
-        return [], {}
+        return _without_extension(
+            "torch is not importable in the build environment",
+            "Install torch first, then build without isolation: pip install --no-build-isolation -e . "
+            "(or run bash scripts/setup.sh).")
     if torch.version.cuda is None and os.environ.get("LS_FAIRSEQ_FORCE_CUDA") != "1":
-        print(f"ls_fairseq: torch {torch.__version__} has no CUDA, installing without the CUDA extension")
-        return [], {}
+        return _without_extension(f"torch {torch.__version__} is a CPU-only build",
+                                  "Install a CUDA build of torch (https://pytorch.org/get-started/locally/).")
     if CUDA_HOME is None:
-        print("ls_fairseq: nvcc not found (CUDA_HOME unset), installing without the CUDA extension")
-        return [], {}
+        return _without_extension("nvcc was not found (CUDA_HOME unset)",
+                                  "Install the CUDA toolkit matching torch.version.cuda, or set CUDA_HOME.")
     sources = sorted(glob.glob("csrc/kernels/*.cu")) + sorted(glob.glob("csrc/torch/*.cpp"))
     sources += sorted(glob.glob("csrc/torch/*.cu"))
     if not any(s.endswith("bindings.cpp") for s in sources):
@@ -74,23 +106,6 @@ def _cuda_extension():
 ext_modules, cmdclass = _cuda_extension()
 
 setup(
-    name="ls_fairseq",
-    version="0.1.0",
-    description="Fused-kernel Transformer training for fairseq: a --user-dir plugin",
-    packages=find_packages(include=["ls_fairseq", "ls_fairseq.*"]),
-    python_requires=">=3.10",
-    install_requires=["sacrebleu>=2.0", "pybind11", "ninja"],
-    extras_require={"deepspeed": ["deepspeed"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={
-        "console_scripts": [
-            "lightseq-train = ls_fairseq.cli.train:cli_main",
-            "lightseq-generate = ls_fairseq.cli.generate:cli_main",
-            "lightseq-validate = ls_fairseq.cli.validate:cli_main",
-            "lightseq-deepspeed = ls_fairseq.cli.deepspeed_train:cli_main",
-            "lightseq-convert = ls_fairseq.cli.convert:cli_main",
-        ]
-    },
-    zip_safe=False,
 )

@@ -1,8 +1,13 @@
 import os
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The tests start fairseq's and the plugin's console scripts (fairseq-preprocess, lightseq-train, ...) as
+# subprocesses: take those of the interpreter that runs the tests, also when its environment is not activated.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 
 def pytest_configure(config):
