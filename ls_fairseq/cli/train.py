@@ -111,6 +111,9 @@ def _train_main(cfg, **kwargs):
     from ls_fairseq.fairseq_ext import graph_step
 
     graph_step.OPTIONS.update(kwargs.pop("ls_graph", None) or {})
+    from ls_fairseq.fairseq_ext.checkpoint_files import install_atomic_copies
+
+    install_atomic_copies()  # checkpoint_last / checkpoint_best are never left half-written
 
     dt = cfg.distributed_training
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or getattr(dt, "distributed_num_procs", None) or 1)
@@ -318,6 +321,21 @@ def ls_adam_owns_master_weights(args: argparse.Namespace) -> bool:
     return False
 
 
+def prepare_checkpoints(cfg) -> None:
+    """Before training: a --restore-file that does not exist is an error (fairseq would train from scratch);
+    temporaries of an interrupted save are removed and an unreadable checkpoint_last.pt is replaced by the newest
+    readable checkpoint (:mod:`ls_fairseq.fairseq_ext.checkpoint_files`; done by the first process only)."""
+    from ls_fairseq.fairseq_ext.checkpoint_files import recover_last_checkpoint
+
+    ckpt = cfg.checkpoint
+    restore = ckpt.restore_file
+    if restore != "checkpoint_last.pt" and "://" not in restore and not os.path.exists(restore):
+        raise SystemExit(f"lightseq-train: --restore-file {restore} does not exist (without --restore-file training "
+                         f"resumes from {os.path.join(ckpt.save_dir, 'checkpoint_last.pt')} when there is one)")
+    if restore == "checkpoint_last.pt" and int(os.environ.get("RANK", "0") or 0) == 0 and not ckpt.no_save:
+        recover_last_checkpoint(ckpt.save_dir)
+
+
 def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parse(argv)
 
@@ -325,6 +343,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     from fairseq.distributed import utils as distributed_utils
 
     cfg = convert_namespace_to_omegaconf(args)
+    prepare_checkpoints(cfg)
     if cfg.common.use_plasma_view:
         from fairseq.data.plasma_utils import PlasmaStore
 
