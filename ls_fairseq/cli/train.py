@@ -114,6 +114,7 @@ def _train_main(cfg, **kwargs):
     from ls_fairseq.fairseq_ext.checkpoint_files import install_atomic_copies
 
     install_atomic_copies()  # checkpoint_last / checkpoint_best are never left half-written
+    keep_nan_from_best()
 
     dt = cfg.distributed_training
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or getattr(dt, "distributed_num_procs", None) or 1)
@@ -225,9 +226,25 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         logger.info("--optimizer ls_adam under legacy_ddp: gradient buckets of %d MB (give --bucket-cap-mb to "
                     "choose another size)", args.bucket_cap_mb)
     keep_epoch_iterator(args, argv)
+    check_training_args(args)
     if args.ls_graph_buckets < 1:
         raise SystemExit(f"lightseq-train: --ls-graph-buckets must be >= 1, got {args.ls_graph_buckets}")
     return args
+
+
+def check_training_args(args: argparse.Namespace) -> None:
+    """Clear errors for flags fairseq accepts and then fails on deep inside, or silently ignores."""
+    freqs = list(getattr(args, "update_freq", None) or [1])
+    if any(int(f) < 1 for f in freqs):
+        raise SystemExit(f"lightseq-train: --update-freq must be >= 1, got {','.join(str(f) for f in freqs)}")
+    if float(getattr(args, "quant_noise_scalar", 0) or 0) > 0 and str(getattr(args, "arch", "")).startswith("ls_"):
+        raise SystemExit("lightseq-train: --quant-noise-scalar (quantization noise) is not supported by ls_transformer")
+    if os.environ.get("LS_FAIRSEQ_FP16_OPTIMIZER") == "1" and getattr(args, "fp16", False):
+        import torch
+
+        if getattr(args, "cpu", False) or not torch.cuda.is_available():
+            raise SystemExit("lightseq-train: LS_FAIRSEQ_FP16_OPTIMIZER=1 with --fp16 needs a CUDA GPU (fairseq's "
+                             "FP16Optimizer keeps its copies on the GPU); drop one of them to train on the CPU")
 
 
 def graph_options(args: argparse.Namespace) -> dict:
@@ -319,6 +336,31 @@ def ls_adam_owns_master_weights(args: argparse.Namespace) -> bool:
         args.memory_efficient_bf16 = True
         return True
     return False
+
+
+def keep_nan_from_best() -> None:
+    """A validation loss that is NaN or infinite never makes a checkpoint_best.pt: the save goes on without it
+    (fairseq saves the first one as best, since nothing compares better than a first value)."""
+    import math
+
+    from fairseq import checkpoint_utils
+
+    save = checkpoint_utils.save_checkpoint
+    if getattr(save, "_ls_nan_guard", False):
+        return
+
+    def guarded(cfg, trainer, epoch_itr, val_loss):
+        if val_loss is not None and not math.isfinite(float(val_loss)):
+            logger.warning("validation loss is %s: not a best checkpoint (checkpoint_best.pt is kept as it is)",
+                           val_loss)
+            val_loss = None
+        return save(cfg, trainer, epoch_itr, val_loss)
+
+    guarded._ls_nan_guard = True
+    for attr in ("best",):
+        if hasattr(save, attr):
+            setattr(guarded, attr, getattr(save, attr))
+    checkpoint_utils.save_checkpoint = guarded
 
 
 def prepare_checkpoints(cfg) -> None:

@@ -62,6 +62,12 @@ def takes_logit_rows(model) -> bool:
     return isinstance(inner, LSTransformerModel)
 
 
+def _check_prefix(ignore_prefix_size: int, target) -> None:
+    if ignore_prefix_size > 0 and ignore_prefix_size >= target.shape[-1]:
+        raise ValueError(f"--ignore-prefix-size {ignore_prefix_size} covers every target position (the batch's targets "
+                         f"have {target.shape[-1]}): the loss would count nothing and nothing would train")
+
+
 @register_criterion("ls_label_smoothed_cross_entropy", dataclass=LSLabelSmoothedCrossEntropyConfig)
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False):
@@ -78,6 +84,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             return super().forward(model, sample, reduce=reduce)
         _check_model(model)
         target = model.get_targets(sample, None)
+        _check_prefix(self.ignore_prefix_size, target)
         rows = sample.get(COUNTED_ROWS_KEY)
         if rows is None:
             rows = self.counted_rows(target)  # on the GPU this waits for the device (dynamic size)
@@ -126,6 +133,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         _check_model(model)
         logits = net_output[0]
         target = model.get_targets(sample, net_output)
+        _check_prefix(self.ignore_prefix_size, target)
         if logits.shape[:-1] != target.shape:
             raise ValueError(
                 f"ls_label_smoothed_cross_entropy: decoder output {tuple(logits.shape)} does not match "

@@ -321,6 +321,19 @@ def _on_device(x, dtype, device):
     return torch.full((), x, dtype=dtype, device=device)
 
 
+def _check_lr(lr) -> None:
+    """A schedule may compute a negative learning rate (say polynomial_decay with a negative
+    --end-learning-rate): that would be gradient ascent, so it stops training instead."""
+    values = lr.values() if isinstance(lr, dict) else [lr]
+    for v in values:
+        if v is not None and float(v) < 0:
+            raise ValueError(f"the learning-rate schedule produced a negative learning rate ({float(v):g}); check "
+                             "--lr, --end-learning-rate and the --lr-scheduler settings")
+
+
+OVERFLOW_STREAK_LIMIT = 50  # consecutive fp16 overflows after which training stops (the loss scale cannot help)
+
+
 def _inconsistent(norms) -> bool:
     """fairseq's cross-rank gradient-norm test (Trainer._check_grad_norms), on host numbers."""
     if not all(math.isfinite(n) for n in norms):
@@ -819,6 +832,11 @@ class LSTrainer(Trainer):
             # fairseq: no update, the loss scale goes down, nothing is logged for this step
             ls_adam._optimizer.forget_last_step()
             self.set_num_updates(self.get_num_updates() - 1)
+            streak = self._ls_overflows = self.__dict__.get("_ls_overflows", 0) + 1
+            if streak >= OVERFLOW_STREAK_LIMIT:
+                raise FloatingPointError(
+                    f"the gradients overflowed in fp16 on {streak} consecutive updates (loss scale now "
+                    f"{scaler.loss_scale:g}): training diverged; lower --lr, add --clip-norm, or train with --bf16")
             try:
                 scaler.check_overflow(grad_norm)
             except OverflowError as e:
@@ -832,6 +850,7 @@ class LSTrainer(Trainer):
                 "Fatal error: gradients are inconsistent between workers. Try --ddp-backend=legacy_ddp. "
                 "Or are you mixing up different generation of GPUs in training?\n" + "-" * 80
                 + "\ngrad_norm across the workers:\n{}\n".format(detail) + "-" * 80)
+        self._ls_overflows = 0
         if scaler is not None:
             scaler.update()
         agg = self._log_step_stats(pending.logging_outputs, grad_norm, pending.clip_norm)
@@ -919,6 +938,11 @@ class LSTrainer(Trainer):
         if graphs is not None:
             graphs.log_summary()
         return super().lr_step(epoch, val_loss)
+
+    def lr_step_update(self):
+        lr = super().lr_step_update()
+        _check_lr(lr)
+        return lr
 
     def lr_step_begin_epoch(self, epoch):
         self._ls_resolve()
