@@ -189,7 +189,7 @@ def assert_same_checkpoint_state(path_a, path_b):
 
 def build_cpu_nodes_module(name: str, build_dir: str, extra_cflags=()):
     """csrc/torch/autograd.cpp and layers.cpp over the ATen CPU stand-ins of its CUDA adapters (tests/cpp), as the Python
-    module ``name`` built in ``build_dir`` (tests/test_cpp_nodes.py, benchmarks/cpu_nodes_host_overhead.py)."""
+    module ``name`` built in ``build_dir`` (tests/test_cpp_nodes.py)."""
     from torch.utils import cpp_extension
 
     from ls_fairseq._build_flags import cxx_flags, host_compiler_env

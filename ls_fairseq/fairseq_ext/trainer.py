@@ -69,7 +69,7 @@ Other host stalls removed for every optimizer:
   (:func:`seed_generators`). ``torch.manual_seed`` also queues a seed for every backend that is not
   initialised (XPU, MTIA, and CUDA itself before its first use), each with a formatted copy of the
   Python stack, on every update: ~0.8 ms of host time per call on a CPU-only host, where it queues
-  three (two on a CUDA host; ``benchmarks/seed_cost.py``).
+  three (two on a CUDA host).
 
 ``--grouped-shuffling`` keeps all batches of one update (every rank, every micro-batch)
 together, so the ranks of an update get batches of similar length and cost

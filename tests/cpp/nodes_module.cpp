@@ -1,5 +1,5 @@
 // The autograd nodes of csrc/torch/autograd.cpp and the layers of csrc/torch/layers.cpp over the stand-in
-// adapters, and the stand-ins themselves under the adapters' names, as a module for tests/test_cpp_nodes.py and benchmarks/cpu_nodes_host_overhead.py
+// adapters, and the stand-ins themselves under the adapters' names, as a module for tests/test_cpp_nodes.py
 // (whose Python autograd.Functions call the adapters). Errors become Python exceptions through pybind11's
 // default translation.
 #include <torch/extension.h>
