@@ -911,7 +911,9 @@ class LSTrainer(Trainer):
     # ------------------------------------------ everything that reads the exact state settles first
     def get_train_iterator(self, *args, **kwargs):
         self._ls_resolve()
-        itr = super().get_train_iterator(*args, **kwargs)
+        epoch = args[0] if args else kwargs.get("epoch", 1)
+        with self._batches_as_first_made(epoch):
+            itr = super().get_train_iterator(*args, **kwargs)
         if self.cfg.dataset.grouped_shuffling:
             itr = group_batches_by_update(itr, self.cfg.optimization.update_freq)
         self._ls_epoch_itr = itr
@@ -919,6 +921,39 @@ class LSTrainer(Trainer):
         if graphs is not None:
             graphs.plan(itr)
         return itr
+
+    @contextlib.contextmanager
+    def _batches_as_first_made(self, epoch):
+        """Exact resume: the batches of a resumed run are those of the run it continues.
+
+        fairseq makes the batches once and reuses them every epoch, but makes them with the
+        random order of ``--seed`` + the epoch the iterator is created in (the length sort breaks
+        ties at random): epoch 1 in a run from scratch, the checkpoint's epoch in a resumed run. A
+        run resumed in epoch 2 or later therefore trained on other batches than the run it
+        continues. Within this call an iterator made afresh for a later epoch takes the batches of
+        epoch 1, and counts from the epoch asked for. Runs that remake their batches every epoch
+        (--update-epoch-batch-itr, sharded data) are left as they are: those already agree."""
+        task = self.task
+        if (epoch is None or int(epoch) <= 1 or self.cfg.dataset.update_epoch_batch_itr
+                or getattr(task.cfg, "rebuild_batches", False) or task.has_sharded_data("train")):
+            yield
+            return
+        make = task.get_batch_iterator
+
+        def get_batch_iterator(*a, **kw):
+            dataset = kw.get("dataset", a[0] if a else None)
+            reused = dataset in getattr(task, "dataset_to_epoch_iter", {})
+            if reused or kw.get("disable_iterator_cache") or a or not task.can_reuse_epoch_itr(dataset):
+                return make(*a, **kw)
+            itr = make(**{**kw, "epoch": 1})
+            itr.epoch = max(int(kw.get("epoch", 1)), 1)
+            return itr
+
+        task.get_batch_iterator = get_batch_iterator
+        try:
+            yield
+        finally:
+            del task.get_batch_iterator  # the task's own method again
 
     def begin_epoch(self, epoch):
         self._ls_resolve()
