@@ -15,7 +15,6 @@ TRAIN = ["data-bin", "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", 
     (["--update-freq", "0"], {}, "--update-freq must be >= 1"),
     (["--update-freq", "2,0"], {}, "--update-freq must be >= 1"),
     (["--quant-noise-scalar", "0.1"], {}, "--quant-noise-scalar"),
-    (["--fp16"], {"LS_FAIRSEQ_FP16_OPTIMIZER": "1"}, "needs a CUDA GPU"),
     (["--ls-graph-buckets", "0"], {}, "--ls-graph-buckets must be >= 1"),
 ])
 def test_lightseq_train_refuses(extra, env, message, monkeypatch, capsys):
@@ -26,6 +25,17 @@ def test_lightseq_train_refuses(extra, env, message, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         train.parse(TRAIN + extra)
     assert message in str(e.value) + capsys.readouterr().err
+
+
+def test_fairseqs_fp16_optimizer_without_a_gpu_is_an_error(monkeypatch):
+    from ls_fairseq.cli import train
+
+    monkeypatch.setenv("LS_FAIRSEQ_FP16_OPTIMIZER", "1")
+    args = train.parse(TRAIN + ["--fp16"])  # parsing alone is fine (a GPU configuration, parsed anywhere)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        train.check_device_args(args)
+    monkeypatch.delenv("LS_FAIRSEQ_FP16_OPTIMIZER")
+    train.check_device_args(args)
 
 
 def test_a_missing_restore_file_is_an_error(tmp_path):

@@ -239,6 +239,11 @@ def check_training_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"lightseq-train: --update-freq must be >= 1, got {','.join(str(f) for f in freqs)}")
     if float(getattr(args, "quant_noise_scalar", 0) or 0) > 0 and str(getattr(args, "arch", "")).startswith("ls_"):
         raise SystemExit("lightseq-train: --quant-noise-scalar (quantization noise) is not supported by ls_transformer")
+
+
+def check_device_args(args: argparse.Namespace) -> None:
+    """Before training starts (not at parse time, where a GPU configuration may be parsed anywhere): flags that
+    cannot run on this machine."""
     if os.environ.get("LS_FAIRSEQ_FP16_OPTIMIZER") == "1" and getattr(args, "fp16", False):
         import torch
 
@@ -384,6 +389,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
 
+    check_device_args(args)
     cfg = convert_namespace_to_omegaconf(args)
     prepare_checkpoints(cfg)
     if cfg.common.use_plasma_view:
