@@ -45,6 +45,11 @@ def test_a_missing_restore_file_is_an_error(tmp_path):
         restore_file=str(tmp_path / "nope.pt"), save_dir=str(tmp_path), no_save=False))
     with pytest.raises(SystemExit, match="--restore-file .*nope.pt does not exist"):
         prepare_checkpoints(cfg)
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(bytes(range(256)) * 40)
+    cfg.checkpoint.restore_file = str(junk)
+    with pytest.raises(SystemExit, match="junk.pt is not a readable checkpoint"):
+        prepare_checkpoints(cfg)
     cfg.checkpoint.restore_file = "checkpoint_last.pt"  # the default: a first run has none, which is fine
     prepare_checkpoints(cfg)
 

@@ -374,11 +374,18 @@ def prepare_checkpoints(cfg) -> None:
     readable checkpoint (:mod:`ls_fairseq.fairseq_ext.checkpoint_files`; done by the first process only)."""
     from ls_fairseq.fairseq_ext.checkpoint_files import recover_last_checkpoint
 
+    from ls_fairseq.fairseq_ext.checkpoint_files import readable
+
     ckpt = cfg.checkpoint
     restore = ckpt.restore_file
-    if restore != "checkpoint_last.pt" and "://" not in restore and not os.path.exists(restore):
-        raise SystemExit(f"lightseq-train: --restore-file {restore} does not exist (without --restore-file training "
-                         f"resumes from {os.path.join(ckpt.save_dir, 'checkpoint_last.pt')} when there is one)")
+    if restore != "checkpoint_last.pt" and "://" not in restore:
+        if not os.path.exists(restore):
+            raise SystemExit(f"lightseq-train: --restore-file {restore} does not exist (without --restore-file "
+                             f"training resumes from {os.path.join(ckpt.save_dir, 'checkpoint_last.pt')} when there "
+                             "is one)")
+        if not readable(restore):
+            raise SystemExit(f"lightseq-train: --restore-file {restore} is not a readable checkpoint (truncated, or "
+                             "not a checkpoint file)")
     if restore == "checkpoint_last.pt" and int(os.environ.get("RANK", "0") or 0) == 0 and not ckpt.no_save:
         recover_last_checkpoint(ckpt.save_dir)
 
