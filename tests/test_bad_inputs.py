@@ -112,3 +112,77 @@ def test_a_nan_validation_loss_never_makes_a_best_checkpoint(monkeypatch):
     for v in (2.5, float("nan"), math.inf, None):
         checkpoint_utils.save_checkpoint(None, None, None, v)
     assert seen == [2.5, None, None, None]
+
+
+# ----------------------------------------------------------------------------- the data-bin
+@pytest.fixture(scope="module")
+def data_bin(tmp_path_factory):
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("bad_data")
+    raw = root / "raw"
+    raw.mkdir()
+    words = [f"w{i}" for i in range(40)]
+    for split, n in (("train", 30), ("valid", 5)):
+        for lang in ("src", "tgt"):
+            (raw / f"{split}.{lang}").write_text("\n".join(" ".join(words[(i * 7 + j) % 40] for j in range(5))
+                                                           for i in range(n)) + "\n")
+    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
+                    "--trainpref", str(raw / "train"), "--validpref", str(raw / "valid"), "--destdir",
+                    str(root / "bin"), "--joined-dictionary", "--workers", "1"], check=True, capture_output=True)
+    return root / "bin"
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sound_data_passes(data_bin):
+    from ls_fairseq.fairseq_ext.data_checks import check_translation_data
+
+    assert check_translation_data(str(data_bin)) == []
+
+
+def test_an_empty_train_split_is_named(data_bin, tmp_path):
+    from ls_fairseq.fairseq_ext.data_checks import check_translation_data
+
+    d = _copy(data_bin, tmp_path / "d")
+    (d / "train.src-tgt.src.bin").write_bytes(b"")
+    problems = check_translation_data(str(d))
+    assert len(problems) == 1 and "train.src-tgt.src.bin is empty" in problems[0]
+
+
+def test_a_smaller_dictionary_or_random_bytes_are_named(data_bin, tmp_path):
+    import numpy as np
+
+    from ls_fairseq.fairseq_ext.data_checks import check_translation_data
+
+    d = _copy(data_bin, tmp_path / "small")
+    lines = (d / "dict.tgt.txt").read_text().splitlines()
+    (d / "dict.tgt.txt").write_text("\n".join(lines[:10]) + "\n")  # a dictionary of another, smaller corpus
+    problems = check_translation_data(str(d))
+    assert len(problems) == 1 and "train.src-tgt.tgt.bin holds token id" in problems[0] and "14 entries" in problems[0]
+
+    d = _copy(data_bin, tmp_path / "noise")
+    path = d / "train.src-tgt.src.bin"
+    noise = np.random.default_rng(0).integers(0, 65535, path.stat().st_size // 2, dtype=np.uint16)
+    noise[0] = 65000
+    path.write_bytes(noise.tobytes())
+    problems = check_translation_data(str(d))
+    assert len(problems) == 1 and "train.src-tgt.src.bin holds token id" in problems[0]
+
+
+def test_lightseq_train_stops_on_bad_data(data_bin, tmp_path):
+    from ls_fairseq.cli import train
+
+    d = _copy(data_bin, tmp_path / "e")
+    (d / "train.src-tgt.tgt.bin").write_bytes(b"")
+    args = train.parse([str(d)] + TRAIN[1:])
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    with pytest.raises(SystemExit, match="train.src-tgt.tgt.bin is empty"):
+        train.check_data(convert_namespace_to_omegaconf(args))

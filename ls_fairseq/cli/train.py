@@ -390,6 +390,19 @@ def prepare_checkpoints(cfg) -> None:
         recover_last_checkpoint(ckpt.save_dir)
 
 
+def check_data(cfg) -> None:
+    """A translation data-bin whose train files do not fit their dictionaries is an error naming the file
+    (:mod:`ls_fairseq.fairseq_ext.data_checks`)."""
+    from ls_fairseq.fairseq_ext.data_checks import check_translation_data
+
+    task = cfg.task
+    if getattr(task, "_name", None) != "translation" or not getattr(task, "data", None):
+        return
+    problems = check_translation_data(task.data, cfg.dataset.train_subset)
+    if problems:
+        raise SystemExit("lightseq-train: " + "\nlightseq-train: ".join(problems))
+
+
 def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parse(argv)
 
@@ -399,6 +412,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     check_device_args(args)
     cfg = convert_namespace_to_omegaconf(args)
     prepare_checkpoints(cfg)
+    check_data(cfg)
     if cfg.common.use_plasma_view:
         from fairseq.data.plasma_utils import PlasmaStore
 
