@@ -108,42 +108,55 @@ def _toy_data(tmp_path):
     return binarize(raw)
 
 
-def _train(data, save_dir, max_update, kill_at_save=None):
+def _train(data, save_dir, max_update, kill=None):
     flags = [data, "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3", "--criterion",
              "ls_label_smoothed_cross_entropy", "--max-tokens", "500", "--cpu", "--num-workers", "0",
              "--max-update", str(max_update), "--save-interval-updates", "4", "--no-epoch-checkpoints",
              "--save-dir", str(save_dir), "--seed", "1", "--log-format", "simple", "--log-interval", "1"]
     patch = ""
-    if kill_at_save is not None:  # the process dies halfway through the n-th checkpoint copy
+    if kill is not None:  # ("copy", n): dies halfway through the n-th checkpoint copy; ("write", n): halfway
+        what, n = kill  # through writing the n-th checkpoint file itself
         patch = textwrap.dedent(f"""
-            import os, shutil
-            n = [0]
-            real = shutil.copyfileobj
+            import io, os, shutil, torch
+            n = {{"copy": 0, "write": 0}}
+            real_copy, real_save = shutil.copyfileobj, torch.save
             def copy(fin, fout, length=0):
-                n[0] += 1
-                if n[0] == {kill_at_save}:
+                n["copy"] += 1
+                if n["copy"] == {n} and {what!r} == "copy":
                     fout.write(fin.read(1000)); fout.flush(); os._exit(9)
-                return real(fin, fout, length)
-            shutil.copyfileobj = copy
+                return real_copy(fin, fout, length)
+            def save(obj, f, *a, **k):
+                n["write"] += 1
+                if n["write"] == {n} and {what!r} == "write" and not isinstance(f, (str, os.PathLike)):
+                    buf = io.BytesIO(); real_save(obj, buf, *a, **k)
+                    f.write(buf.getvalue()[:len(buf.getvalue()) // 2]); f.flush(); os._exit(9)
+                return real_save(obj, f, *a, **k)
+            shutil.copyfileobj, torch.save = copy, save
         """)
     code = patch + f"from ls_fairseq.cli.train import cli_main\ncli_main({flags!r})\n"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
-def test_lightseq_train_killed_inside_a_save_resumes_from_a_whole_checkpoint(tmp_path):
+@pytest.mark.parametrize("kill", [("copy", 1), ("copy", 3), ("write", 2), ("write", 3)])
+def test_lightseq_train_killed_inside_a_save_resumes_from_a_whole_checkpoint(tmp_path, kill):
+    """Killed at several points of the saves (inside the copy to checkpoint_last/best, inside the write of the
+    numbered checkpoint), deterministically: the next run resumes from the last save that completed (or from
+    the start when none had), and only the updates after it are lost."""
     data = _toy_data(tmp_path)
     save = tmp_path / "ckpt"
-    res = _train(data, save, 20, kill_at_save=3)
+    res = _train(data, save, 20, kill=kill)
     first = res.stdout + res.stderr
     assert res.returncode == 9, first[-3000:]
     saved = re.findall(r"Saved checkpoint .*? @ (\d+) updates", first)
-    assert saved, first[-3000:]  # at least one save completed before the killed one
-    assert cf.readable(str(save / "checkpoint_last.pt"))
+    last = save / "checkpoint_last.pt"
+    assert not last.exists() or cf.readable(str(last))
     res = _train(data, save, 20)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert "removed 1 temporary file" in out
-    # resumed from the last save that completed: nothing but the updates after it lost
-    assert re.search(rf"Loaded checkpoint .*? @ {saved[-1]} updates", out), out[-3000:]
+    if saved:
+        assert re.search(rf"Loaded checkpoint .*? @ {saved[-1]} updates", out), out[-3000:]
+    else:
+        assert "Loaded checkpoint" not in out
     assert re.search(r"num_updates[ =]20\b", out), out[-3000:]
