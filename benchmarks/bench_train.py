@@ -86,6 +86,8 @@ def run(kind, arch, max_tokens, precision, data, epochs, out):
         flags += [f"--memory-efficient-{precision}"]
     if kind == "ls_eager":  # lightseq-train without its CUDA-graph step
         flags += ["--ls-graph-step", "off"]
+    if kind.startswith("ls_fp8"):  # ls_fp8 (default gradient format), ls_fp8_e4m3, ls_fp8_e5m2
+        flags += ["--fp8"] + (["--fp8-grad-format", kind.rsplit("_", 1)[1]] if kind.count("_") == 2 else [])
     name = f"{kind}_{arch}_{max_tokens}_{precision}"
     log_path = os.path.join(out, name + ".log")
     cmd = [sys.executable, os.path.join(HERE, "train_entry.py"), "ls" if ls else "native"] + flags
@@ -127,7 +129,8 @@ def main():
     ap.add_argument("--archs", default="transformer_wmt_en_de_big_t2t,transformer_wmt_en_de_big")
     ap.add_argument("--max-tokens", default="4096,8192,16384")
     ap.add_argument("--kinds", default="native,ls",
-                    help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off)")
+                    help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
+                         "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format)")
     ap.add_argument("--bf16", action="store_true", help="also run ls in bf16 (native fairseq cannot)")
     ap.add_argument("--precision", default="fp16", choices=["fp16", "fp32"], help="fp32: CPU smoke test")
     args = ap.parse_args()

@@ -7,7 +7,7 @@ curves side by side, the final sacreBLEU of each run and the relative difference
 
     python benchmarks/quality.py --out OUT [--pairs 300000] [--arch transformer_wmt_en_de]
         [--max-update 2000] [--validate-every 250] [--lr 3e-4] [--clip-norm 1.0] [--schedule linear_decay]
-        [--runs native_fp16,ls_fp16,ls_bf16]
+        [--runs native_fp16,ls_fp16,ls_bf16,ls-fp8_bf16,ls-fp8-e4m3_bf16]
     python benchmarks/quality.py --out /tmp/q --cpu-smoke      # tiny, fp32, on the CPU
 """
 
@@ -57,7 +57,7 @@ SCHEDULES = {
 
 
 def train_flags(kind, prec, args, bin_dir, save_dir):
-    ls = kind == "ls"
+    ls = kind.startswith("ls")  # ls, ls-fp8 (--fp8), ls-fp8-e4m3 / ls-fp8-e5m2 (--fp8 with that gradient format)
     flags = [bin_dir, "--arch", ("ls_" if ls else "") + args.arch, "--share-all-embeddings",
              "--lr", str(args.lr), "--warmup-updates", str(args.warmup), *SCHEDULES[args.schedule](args),
              "--adam-betas", "(0.9, 0.98)", "--label-smoothing", "0.1", "--seed", "1",
@@ -68,6 +68,8 @@ def train_flags(kind, prec, args, bin_dir, save_dir):
     flags += ["--optimizer", "ls_adam", "--criterion", "ls_label_smoothed_cross_entropy"] if ls else \
         ["--optimizer", "adam", "--criterion", "label_smoothed_cross_entropy"]
     flags += {"fp16": ["--fp16"], "bf16": ["--bf16"], "fp32": []}[prec]
+    if kind.startswith("ls-fp8"):
+        flags += ["--fp8"] + (["--fp8-grad-format", kind.split("-")[2]] if kind.count("-") == 2 else [])
     if args.cpu_smoke:
         flags += ["--cpu", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
                   "--decoder-ffn-embed-dim", "128", "--encoder-layers", "2", "--decoder-layers", "2",

@@ -147,6 +147,14 @@ int64_t grad_norm_workspace();
 void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int count, float* workspace, float* out,
                       cudaStream_t stream);
 
+// ================================================================ fp8.cu
+enum class Fp8Format : int { E4M3 = 0, E5M2 = 1 };
+// out[i] = fp8(x[i] * s) for the n contiguous elements of x (dtype dt), with s the largest power of two for
+// which amax(|x|) * s fits the format (see fp8.cu); *scale_inv = 1 / s (the GEMM's dequantisation factor).
+// amax_bits: one device word of scratch (zeroed here). Inf/NaN in x give NaN scales and outputs.
+void fp8_quantize(DType dt, const void* x, int64_t n, Fp8Format fmt, unsigned* amax_bits, void* out,
+                  float* scale_inv, cudaStream_t stream);
+
 }  // namespace ls
 
 #define LS_CHECK_LAUNCH(name, stream) ::ls::check_launch(name, stream)

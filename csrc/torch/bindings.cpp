@@ -86,14 +86,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
   m.def("ag_linear", guarded(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = none);
+  m.def("fp8_quantize", guarded(&fp8_quantize), "per-tensor FP8 codes (0 = e4m3, 1 = e5m2) and 1/scale (fp8.cpp)",
+        py::arg("x"), py::arg("format"));
+  m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
+        py::arg("weight"), py::arg("bias") = none, py::arg("grad_format"));
   m.def("encoder_layer_fwd", guarded(&encoder_layer_fwd),
         "an encoder layer's forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"),
         py::arg("num_heads"), py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"));
+        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0);
   m.def("decoder_layer_fwd", guarded(&decoder_layer_fwd),
         "a decoder layer's full-sequence forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
         py::arg("self_attn_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
         py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"));
+        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0);
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

@@ -120,32 +120,32 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
 }
 
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
-                            double eps, int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len) {
+                            double eps, int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len, int64_t fp8) {
   auto [h, residual] = block_input(x, pre, w[0], w[1], eps);
-  Tensor qkv = ag_linear(h, w[2], std::nullopt);
+  Tensor qkv = ag_linear_mode(h, w[2], std::nullopt, fp8);
   auto parts = ag_split_heads(qkv, w[3], 3, num_heads);
   Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, p.attn, short_len);
-  h = ag_linear(merge_heads(out), w[4], std::nullopt);
+  h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, fp8);
   return block_output(h, w[5], residual, p.dropout, pre, w[0], w[1], eps);
 }
 
 Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
-                 const Dropouts& p, bool pre) {
+                 const Dropouts& p, bool pre, int64_t fp8) {
   auto [h, residual] = block_input(x, pre, w[6], w[7], eps);
-  h = ag_linear(h, w[8], std::nullopt);
+  h = ag_linear_mode(h, w[8], std::nullopt, fp8);
   h = ag_bias_act_dropout(h, w[9], activation, p.act)[0];
-  h = ag_linear(h, w[10], std::nullopt);
+  h = ag_linear_mode(h, w[10], std::nullopt, fp8);
   return block_output(h, w[11], residual, p.dropout, pre, w[6], w[7], eps);
 }
 
 Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, const OptTensor& attend,
                              const std::vector<Tensor>& w, double eps, int64_t num_heads, const Dropouts& p, bool pre,
-                             int64_t short_len) {
+                             int64_t short_len, int64_t fp8) {
   auto [h, residual] = block_input(x, pre, w[12], w[13], eps);
   const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
-  Tensor q = ag_linear(h, w[14], w[15]).view({B, T, num_heads, C / num_heads}).transpose(1, 2);
+  Tensor q = ag_linear_mode(h, w[14], w[15], fp8).view({B, T, num_heads, C / num_heads}).transpose(1, 2);
   Tensor out = attention(q, k, v, attend, false, p.cross_attn, short_len);
-  h = ag_linear(merge_heads(out), w[16], std::nullopt);
+  h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, fp8);
   return block_output(h, w[17], residual, p.dropout, pre, w[12], w[13], eps);
 }
 
@@ -186,15 +186,15 @@ void check_padding_mask(const char* op, const char* what, const OptTensor& mask,
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len) {
+                         int64_t short_len, int64_t fp8) {
   const char* op = "encoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, 0.0};
   check_layer(op, x, weights, 12, eps, 2, num_heads, activation, p);
   check_padding_mask(op, "key_padding_mask", key_padding_mask, x.size(0), x.size(1), x);
   ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor attend = present(key_padding_mask) ? OptTensor(attend_mask(*key_padding_mask)) : std::nullopt;
-  Tensor h = self_attention_block(x, attend, false, weights, eps[0], num_heads, p, normalize_before, short_len);
-  return ffn_block(h, weights, eps[1], activation, p, normalize_before);
+  Tensor h = self_attention_block(x, attend, false, weights, eps[0], num_heads, p, normalize_before, short_len, fp8);
+  return ffn_block(h, weights, eps[1], activation, p, normalize_before, fp8);
 }
 
 Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
@@ -202,7 +202,7 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len) {
+                         int64_t short_len, int64_t fp8) {
   const char* op = "decoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, cross_attention_dropout};
   check_layer(op, x, weights, 18, eps, 3, num_heads, activation, p);
@@ -218,10 +218,10 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
   OptTensor self_attend =
       present(self_attn_padding_mask) ? OptTensor(attend_mask(*self_attn_padding_mask)) : std::nullopt;
   OptTensor enc_attend = present(encoder_padding_mask) ? OptTensor(attend_mask(*encoder_padding_mask)) : std::nullopt;
-  Tensor h = self_attention_block(x, self_attend, true, weights, eps[0], num_heads, p, normalize_before, short_len);
+  Tensor h = self_attention_block(x, self_attend, true, weights, eps[0], num_heads, p, normalize_before, short_len, fp8);
   h = cross_attention_block(h, cross_k, cross_v, enc_attend, weights, eps[2], num_heads, p, normalize_before,
-                            short_len);
-  return ffn_block(h, weights, eps[1], activation, p, normalize_before);
+                            short_len, fp8);
+  return ffn_block(h, weights, eps[1], activation, p, normalize_before, fp8);
 }
 
 }  // namespace ls_torch

@@ -67,12 +67,19 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len);
+                         int64_t short_len, int64_t fp8);
 Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
                          const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len);
+                         int64_t short_len, int64_t fp8);
+
+// fp8.cpp: per-tensor FP8 quantisation (format 0 = e4m3, 1 = e5m2) -> [codes, scale_inv], and the FP8 linear
+// node (grad_format: the format of the output gradient). ag_linear_mode: fp8 = 0 the plain linear node, 1 + g
+// the FP8 node with gradient format g where the weight's sizes allow it (multiples of 16), else the plain one.
+std::vector<Tensor> fp8_quantize(const Tensor& x, int64_t format);
+Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t grad_format);
+Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t fp8);
 
 }  // namespace ls_torch

@@ -244,6 +244,19 @@ def check_training_args(args: argparse.Namespace) -> None:
 def check_device_args(args: argparse.Namespace) -> None:
     """Before training starts (not at parse time, where a GPU configuration may be parsed anywhere): flags that
     cannot run on this machine."""
+    if getattr(args, "fp8", False):
+        import torch
+
+        from ls_fairseq.ops.fp8 import fp8_unavailable_reason
+
+        on_gpu = not getattr(args, "cpu", False) and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        dtype = (torch.bfloat16 if getattr(args, "bf16", False) else
+                 torch.float16 if getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False)
+                 else torch.float32)
+        reason = fp8_unavailable_reason(device, dtype)
+        if reason is not None:
+            raise SystemExit(f"lightseq-train: {reason}")
     if os.environ.get("LS_FAIRSEQ_FP16_OPTIMIZER") == "1" and getattr(args, "fp16", False):
         import torch
 

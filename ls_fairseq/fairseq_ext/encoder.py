@@ -15,6 +15,7 @@ from fairseq.models import FairseqEncoder
 from ls_fairseq import ops
 from ls_fairseq.fairseq_ext import weights
 from ls_fairseq.fairseq_ext.config import activation_dropout_of, setup_embeddings
+from ls_fairseq.fairseq_ext.fp8_mode import check_fp8_device
 from ls_fairseq.modules.encoder_layer import EncoderLayer
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.modules.positional import make_positions
@@ -32,6 +33,8 @@ class LSTransformerEncoder(FairseqEncoder):
         ])
         self.num_layers = len(self.layers)
         self.layer_norm = LayerNorm(C) if cfg.encoder.normalize_before else None
+        self.fp8_mode = 0  # set by the model (fp8_mode.set_fp8_mode); checked against the device once
+        self.fp8_checked = False
         self._register_state_dict_hook(_save_hook)
         self.register_load_state_dict_pre_hook(_load_hook)
 
@@ -56,6 +59,9 @@ class LSTransformerEncoder(FairseqEncoder):
         does); without it the encoder tests the tokens on the GPU, which makes the host wait."""
         if token_embeddings is not None:
             raise ValueError("ls_transformer does not accept precomputed token_embeddings")
+        if self.training and self.fp8_mode and not self.fp8_checked:
+            check_fp8_device(self.embed_tokens.weight)
+            self.fp8_checked = True
         T = src_tokens.shape[1]
         if T > self.max_positions():
             raise ValueError(

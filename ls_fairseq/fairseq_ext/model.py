@@ -15,6 +15,7 @@ from fairseq.models.transformer import transformer_legacy as native
 from ls_fairseq.fairseq_ext.config import check_supported
 from ls_fairseq.fairseq_ext.decoder import LSTransformerDecoder
 from ls_fairseq.fairseq_ext.encoder import LSTransformerEncoder
+from ls_fairseq.fairseq_ext.fp8_mode import add_fp8_args, set_fp8_mode
 
 
 @register_model("ls_transformer")
@@ -35,10 +36,16 @@ class LSTransformerModel(native.TransformerModel):
         return {}
 
     @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        add_fp8_args(parser)
+
+    @classmethod
     def build_model(cls, args, task):
         native.base_architecture(args)
         check_supported(TransformerConfig.from_namespace(args))
         model = super().build_model(args, task)
+        set_fp8_mode(model, args)
         task_cfg = getattr(task, "cfg", None)
         left_pad = getattr(task_cfg, "left_pad_target", None) if task_cfg is not None else None
         if left_pad is not None:

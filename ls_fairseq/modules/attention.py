@@ -45,6 +45,7 @@ class SelfAttention(nn.Module):
         self.num_heads = num_heads
         self.attention_dropout = attention_dropout
         self.causal = causal
+        self.fp8 = 0  # FP8 mode of the projections while training (ls_fairseq/ops/fp8.py)
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim))
         self.out_proj = nn.Linear(embed_dim, embed_dim)
@@ -64,7 +65,8 @@ class SelfAttention(nn.Module):
         ``cache`` (incremental decoding): holds prev_key / prev_value [B, H, t, D]; new keys
         and values are appended and stored back.
         """
-        qkv = ops.linear(x, self.in_proj_weight)
+        fp8 = self.fp8 if self.training else 0
+        qkv = ops.linear(x, self.in_proj_weight, fp8=fp8)
         q, k, v = ops.qkv_split(qkv, self.in_proj_bias, self.num_heads)
         if cache is not None:
             if "prev_key" in cache:
@@ -73,7 +75,7 @@ class SelfAttention(nn.Module):
             cache["prev_key"], cache["prev_value"] = k, v
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             p=self.attention_dropout, training=self.training)
-        return ops.linear(ops.merge_heads(out), self.out_proj.weight)
+        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8)
 
 
 class CrossAttention(nn.Module):
@@ -83,6 +85,7 @@ class CrossAttention(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.attention_dropout = attention_dropout
+        self.fp8 = 0  # FP8 mode of the projections while training (ls_fairseq/ops/fp8.py)
         self.q_proj = nn.Linear(embed_dim, embed_dim)
         self.out_proj = nn.Linear(embed_dim, embed_dim)
         xavier_block_(self.q_proj.weight, 1 / math.sqrt(2))
@@ -92,8 +95,9 @@ class CrossAttention(nn.Module):
     def forward(self, x, k, v, key_padding_mask=None):
         """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]."""
         B, T, C = x.shape
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias)
+        fp8 = self.fp8 if self.training else 0
+        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias, fp8=fp8)
         q = q.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training)
-        return ops.linear(ops.merge_heads(out), self.out_proj.weight)
+        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8)

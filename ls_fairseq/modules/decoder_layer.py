@@ -26,6 +26,7 @@ class BatchedCrossKV(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_layers = num_layers
+        self.fp8 = 0  # FP8 mode of the projection while training (ls_fairseq/ops/fp8.py)
         self.weight = nn.Parameter(torch.empty(num_layers * 2 * embed_dim, embed_dim))
         self.bias = nn.Parameter(torch.empty(num_layers * 2 * embed_dim))
         C = embed_dim
@@ -35,7 +36,7 @@ class BatchedCrossKV(nn.Module):
 
     def forward(self, encoder_out) -> List[torch.Tensor]:
         """encoder_out [B, S, C] -> [k_0, v_0, k_1, v_1, ...], each [B, H, S, D]."""
-        kv = ops.linear(encoder_out, self.weight)
+        kv = ops.linear(encoder_out, self.weight, fp8=self.fp8 if self.training else 0)
         return list(ops.split_heads(kv, self.bias, 2 * self.num_layers, self.num_heads))
 
 

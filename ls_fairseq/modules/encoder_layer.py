@@ -37,6 +37,7 @@ class EncoderLayer(nn.Module):
         self.activation_dropout = activation_dropout
         self.activation = activation
         self.normalize_before = normalize_before
+        self.fp8 = 0  # FP8 mode of the FFN's projections while training (ls_fairseq/ops/fp8.py)
         self.self_attn = SelfAttention(embed_dim, num_heads, attention_dropout, causal=False)
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.fc1 = nn.Linear(embed_dim, ffn_dim)
@@ -62,7 +63,7 @@ class EncoderLayer(nn.Module):
     def cpp_args(self):
         """The C++ layer call's arguments after its inputs and masks (csrc/torch/layers.cpp)."""
         return (self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
-                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN)
+                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, self.fp8_mode())
 
     def cpp_weights(self):
         """The weights in the order csrc/torch/layers.cpp takes them."""
@@ -70,6 +71,11 @@ class EncoderLayer(nn.Module):
         return [self.self_attn_layer_norm.weight, self.self_attn_layer_norm.bias, a.in_proj_weight, a.in_proj_bias,
                 a.out_proj.weight, a.out_proj.bias, self.final_layer_norm.weight, self.final_layer_norm.bias,
                 self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias]
+
+    def fp8_mode(self) -> int:
+        """The FP8 mode this layer's projections use now: FP8 only while training (evaluation, validation and
+        generation run in the model's own precision)."""
+        return self.fp8 if self.training else 0
 
     def cpp_eps(self):
         return [self.self_attn_layer_norm.eps, self.final_layer_norm.eps]
@@ -83,9 +89,10 @@ class EncoderLayer(nn.Module):
 
     def ffn(self, x):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = ops.linear(h, self.fc1.weight)
+        fp8 = self.fp8_mode()
+        h = ops.linear(h, self.fc1.weight, fp8=fp8)
         h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
-        h = ops.linear(h, self.fc2.weight)
+        h = ops.linear(h, self.fc2.weight, fp8=fp8)
         x = ops.bias_dropout_residual(h, self.fc2.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
