@@ -132,7 +132,7 @@ def main():
                     help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
                          "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format)")
     ap.add_argument("--bf16", action="store_true", help="also run ls in bf16 (native fairseq cannot)")
-    ap.add_argument("--precision", default="fp16", choices=["fp16", "fp32"], help="fp32: CPU smoke test")
+    ap.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"], help="fp32: CPU smoke test")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     data = args.data or os.path.join(args.out, "data")

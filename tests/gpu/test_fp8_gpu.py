@@ -58,8 +58,14 @@ def test_quantize_kernel_unaligned_and_special_values(fmt):
 
 
 def _bound(a, b):
-    """What rounding the product of |a| and |b|^T to bf16/fp16 and accumulating can cost."""
+    """|a| |b|^T: the scale of what accumulating the products can cost."""
     return a.abs() @ b.abs().t()
+
+
+# Hopper's FP8 tensor cores add products in an accumulator of about 14 significant bits between the
+# promotions to fp32: allow 2^-11 of the sum of the products' magnitudes for the accumulation, on top of
+# half an ulp of the output dtype. A wrong scale or code is off by far more (e4m3 alone rounds by 2^-4).
+ACC = 2.0 ** -11
 
 
 @pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
@@ -84,18 +90,18 @@ def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias):
     wq, sw = fp8.fp8_quantize_reference(w.detach(), fp8.E4M3)
     xd, wd = xq.float() * sx, wq.float() * sw
     gold = xd @ wd.t() + (b.detach().float() if bias else 0)
-    tol = ulp * (gold.abs() + 2 ** -4 * _bound(xd, wd)) + 1e-6
+    tol = ulp * gold.abs() + ACC * _bound(xd, wd) + 1e-6
     assert torch.all((y.float() - gold).abs() <= tol), (y.float() - gold).abs().max()
     assert torch.all((y.float() - yr.float()).abs() <= 2 * tol)
     # input gradient: FP8 codes of dy in the gradient format against the e4m3 W
     gq, sg = fp8.fp8_quantize_reference(dy, grad_format)
     gd = gq.float() * sg
     gold_dx = gd @ wd
-    tol = ulp * (gold_dx.abs() + 2 ** -6 * _bound(gd, wd.t())) + 1e-6
+    tol = ulp * gold_dx.abs() + ACC * _bound(gd, wd.t()) + 1e-6
     assert torch.all((x.grad.float() - gold_dx).abs() <= tol), (x.grad.float() - gold_dx).abs().max()
     # weight gradient: the high-precision product (a GEMM in dtype)
     gold_dw = dy.float().t() @ x.detach().float()
-    tol = ulp * (gold_dw.abs() + 2 ** -6 * _bound(dy.float().t(), x.detach().float().t())) + 1e-6
+    tol = ulp * (gold_dw.abs() + 2 ** -6 * _bound(dy.float().t(), x.detach().float().t())) + 1e-6  # bf16/fp16 GEMM
     assert torch.all((w.grad.float() - gold_dw).abs() <= tol)
     if bias:
         torch.testing.assert_close(b.grad.float(), dy.float().sum(0), rtol=ulp, atol=ulp * rows ** 0.5)
@@ -131,6 +137,7 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(mode, monkeypatch):
 
     x = torch.randn(6, 29, 256, device="cuda", dtype=torch.bfloat16)
     src = torch.randn(6, 31, 256, device="cuda", dtype=torch.bfloat16)
+    probe = torch.randn(6, 29, 256, device="cuda")
 
     def run(fp8_mode, cpp=True):
         monkeypatch.setattr(_dispatch, "_CPP_LAYERS", cpp)
@@ -139,7 +146,7 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(mode, monkeypatch):
         e = enc(si)
         k, v = kv(e)
         out = dec(xi, k, v)
-        out.float().square().mean().backward()
+        (out.float() * probe).sum().backward()  # a random direction (a post-LN output's mean square is ~1)
         grads = [p.grad for m in (enc, dec, kv) for p in m.parameters()]
         return out.detach(), xi.grad, si.grad, grads
 
@@ -153,7 +160,8 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(mode, monkeypatch):
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert rel(got[0], ref[0]) < 0.05
     assert rel(got[1], ref[1]) < 0.15 and rel(got[2], ref[2]) < 0.15
-    assert sum(rel(a, b) for a, b in zip(got[3], ref[3])) / len(ref[3]) < 0.15
+    flat = lambda grads: torch.cat([g.float().flatten() for g in grads])  # noqa: E731
+    assert rel(flat(got[3]), flat(ref[3])) < 0.15  # all parameter gradients together (some are ~0 alone)
     # in eval mode FP8 is off
     enc, _, _ = _layers(mode)
     enc0, _, _ = _layers(0)
