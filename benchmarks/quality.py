@@ -120,7 +120,7 @@ def main():
     for run in args.runs.split(","):
         kind, prec = run.split("_")
         save_dir = os.path.join(args.out, "ckpt_" + run)
-        text = sh([sys.executable, os.path.join(HERE, "train_entry.py"), kind]
+        text = sh([sys.executable, os.path.join(HERE, "train_entry.py"), "ls" if kind.startswith("ls") else "native"]
                   + train_flags(kind, prec, args, bin_dir, save_dir), os.path.join(args.out, f"{run}.train.log"))
         curves[run] = valid_curve(text)
         scores[run] = bleu(args.out, run, bin_dir, save_dir, args.cpu_smoke)
