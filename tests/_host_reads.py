@@ -1,5 +1,5 @@
 """Run lightseq-train and count the host reads of tensor values (bool, item, tolist, float, int)
-made inside LSTrainer.train_step by fairseq's trainer and meters and by ls_fairseq's trainer.
+made inside LSTrainer.train_step by fairseq's trainer and meters and by LSTrainer's own modules.
 On a GPU each read of a GPU tensor waits for the device; on a --cpu run every tensor is counted.
 Used by tests/test_deferred_step.py and tests/gpu/test_multi_gpu.py:
 
@@ -18,7 +18,8 @@ import traceback
 import torch
 
 WATCHED = (os.sep + os.path.join("fairseq", "logging") + os.sep, os.sep + os.path.join("fairseq", "trainer.py"),
-           os.path.join("ls_fairseq", "fairseq_ext", "trainer.py"))
+           *(os.path.join("ls_fairseq", "fairseq_ext", name + ".py") for name in (
+               "trainer", "deferred_step", "pending_update", "step_stats", "sample_prep", "step_timing")))
 
 
 def main():

@@ -240,10 +240,10 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks,
 def test_a_run_of_overflows_stops_training_with_the_reason(data_bin, tmp_path, monkeypatch):  # noqa: F811
     """From a loss scale of 2**22 the first updates all overflow: with the streak limit at 4 training stops
     on the fourth, with the reason, instead of going on."""
-    from ls_fairseq.fairseq_ext import trainer as tr
+    from ls_fairseq.fairseq_ext import pending_update
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # as above: fairseq's overflow branch
-    monkeypatch.setattr(tr, "OVERFLOW_STREAK_LIMIT", 4)
+    monkeypatch.setattr(pending_update, "OVERFLOW_STREAK_LIMIT", 4)
     with pytest.raises(FloatingPointError, match="overflowed in fp16 on 4 consecutive updates"):
         _run(data_bin, str(tmp_path / "d"), False, monkeypatch, "--max-update", "9", "--fp16", "--fp16-init-scale",
              str(2 ** 22), "--dropout", "0", "--disable-validation")

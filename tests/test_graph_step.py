@@ -194,7 +194,7 @@ def test_the_graphs_follow_a_rebuilt_optimizer():
 
     from ls_fairseq.fairseq_ext.graph_step import GraphStep
     from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
-    from ls_fairseq.fairseq_ext.trainer import _ScaledLossOptimizer
+    from ls_fairseq.fairseq_ext.deferred_step import _ScaledLossOptimizer
 
     net = torch.nn.Linear(4, 3)
     a = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(net.parameters()))

@@ -154,7 +154,7 @@ def test_per_update_seed_leaves_fairseqs_generator_state(monkeypatch):
 def test_step_labels_reach_a_running_profiler_only():
     from torch.profiler import ProfilerActivity, profile
 
-    from ls_fairseq.fairseq_ext.trainer import _label
+    from ls_fairseq.fairseq_ext.deferred_step import _label
 
     assert not torch.autograd._profiler_enabled()
     with _label("optimizer") as got:

@@ -5,11 +5,11 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
 :class:`OverlappedReducer` starts the reduction while the backward is still running:
 
 * Buckets. Each flat gradient buffer is cut into contiguous ranges of about ``bucket_bytes``
-  at parameter boundaries, formed from the END of the buffer (:func:`plan_buckets`): the
+  at parameter boundaries, formed from the END of the buffer (:mod:`ls_fairseq.optim.buckets`): the
   backward produces the gradients of the last layers first, so the first bucket to complete
   is the tail of the buffer. With several buffers (say fp32 and fp16 parameters) each gets
   buckets of its own; one global order interleaves them by the position of each bucket's
-  first parameter in the optimizer's parameter list (:func:`bucket_order`).
+  first parameter in the optimizer's parameter list (:func:`~ls_fairseq.optim.buckets.bucket_order`).
 * Hooks. Every trainable parameter carries a hook that runs after its gradient is accumulated.
   When it fires while the reduction is armed, it counts the parameter done. Where the extension
   has them (``ls_fairseq._C.GradBuckets``, csrc/torch/grad_buckets.cpp) the hooks sit on the
@@ -38,11 +38,11 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
 * :meth:`OverlappedReducer.finish` (after the backward) waits for the round's collectives.
   On NCCL ``work.wait()`` makes the current CUDA stream wait; the host never blocks.
 * Sharded optimizer state (``shard=True``). Each bucket is split into ``world_size`` equal
-  parts and rank r owns part r (:attr:`Bucket.own`). The bucket then goes out as a
+  parts and rank r owns part r (:meth:`~ls_fairseq.optim.buckets.Bucket.own`). The bucket then goes out as a
   ``reduce_scatter(SUM)`` in place: only the owned part receives the average, which is all
   that :class:`~ls_fairseq.optim.adam.LSAdam` reads when it updates that part only and
   all-gathers the weights afterwards. It moves half the bytes of an all-reduce while the
-  backward runs. :func:`shardable` says whether every bucket splits evenly.
+  backward runs. :func:`~ls_fairseq.optim.buckets.shardable` says whether every bucket splits evenly.
 * Peer copies (two ranks whose GPUs map each other's memory, :meth:`OverlappedReducer.use_peer_copies`).
   Instead of NCCL's reduce-scatter, each complete bucket's part that the other rank owns is copied
   into that rank's "inbox" (symmetric memory) by a copy engine, from a stream of the reducer's own;
@@ -71,80 +71,23 @@ backward, used both inside and outside a reentrant activation checkpoint).
 import logging
 import os
 import weakref
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ls_fairseq import _ext
+from ls_fairseq.optim.buckets import (
+    DEFAULT_BUCKET_MB,
+    SHARD_ALIGN_ELEMENTS,
+    Bucket,
+    bucket_order,
+    plan_buckets,
+    shardable,
+)
 from ls_fairseq.optim.workspace import FlatBuffer, FlatWorkspace
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_MB = 25
-
-
-class Bucket:
-    """One contiguous range ``[start, end)`` of a flat gradient buffer and the parameters in it."""
-
-    __slots__ = ("buffer", "start", "end", "members", "flat")
-
-    def __init__(self, buffer: FlatBuffer, start: int, end: int, members: List[int]):
-        self.buffer = buffer
-        self.start, self.end = start, end
-        self.members = members  # parameter indices in ``buffer``, last in layout first
-        self.flat = buffer.grad[start:end]
-
-    def own(self, rank: int, world_size: int) -> Tuple[int, int]:
-        """The range ``[lo, hi)`` of the flat buffer that ``rank`` owns when the bucket is sharded."""
-        part = (self.end - self.start) // world_size
-        lo = self.start + rank * part
-        return lo, lo + part
-
-    def __repr__(self):
-        return f"Bucket({self.buffer.dtype}, [{self.start}, {self.end}), params {self.members})"
-
-
-def plan_buckets(buf: FlatBuffer, bucket_bytes: int) -> List[Bucket]:
-    """Cut ``buf``'s flat gradient into contiguous buckets of at least ``bucket_bytes`` (the last
-    one may be smaller), at parameter boundaries, starting from the end of the buffer.
-
-    The buckets tile ``[0, buf.numel)`` exactly once, padding included: bucket 0 ends at
-    ``buf.numel``, each next one ends where the previous one starts, the last starts at 0.
-    """
-    cap = max(1, int(bucket_bytes) // buf.grad.element_size())
-    buckets, members, end = [], [], buf.numel
-    for i in reversed(range(len(buf.params))):
-        members.append(i)
-        start = buf.offsets[i][0]
-        if end - start >= cap or i == 0:
-            buckets.append(Bucket(buf, start, end, members))
-            members, end = [], start
-    return buckets
-
-
-def bucket_order(workspaces: Sequence[FlatWorkspace], bucket_bytes: int) -> List[Bucket]:
-    """All buckets of all buffers in launch order: the bucket whose first parameter comes latest
-    in the optimizer's parameter order goes first (within one buffer: reverse layout order)."""
-    position: Dict[int, int] = {}
-    for ws in workspaces:
-        for p in ws.params:
-            position.setdefault(id(p), len(position))
-    buckets = [bk for ws in workspaces for buf in ws.buffers for bk in plan_buckets(buf, bucket_bytes)]
-    buckets.sort(key=lambda bk: -position[id(bk.buffer.params[bk.members[-1]])])
-    return buckets
-
-
-# the smallest part of a sharded bucket, in elements: keeps every part 16-byte aligned for the
-# vectorised kernels (parameters start on 256-byte boundaries, so bucket lengths are multiples of it)
-SHARD_ALIGN_ELEMENTS = 8
-
-
-def shardable(buckets: Sequence[Bucket], world_size: int) -> bool:
-    """Whether every bucket splits into ``world_size`` equal parts of a multiple of
-    :data:`SHARD_ALIGN_ELEMENTS` elements (true for world sizes that are powers of two up to 8, up
-    to 16 for fp16 / bf16 buffers)."""
-    return world_size >= 2 and all((bk.end - bk.start) % (world_size * SHARD_ALIGN_ELEMENTS) == 0 for bk in buckets)
 
 
 class _Round:
