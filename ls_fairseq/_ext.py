@@ -13,6 +13,8 @@ import importlib
 import os
 import threading
 
+from ls_fairseq import env
+
 _lock = threading.Lock()
 _state = {"tried": False, "module": None, "reason": None, "source": None}
 
@@ -32,10 +34,7 @@ def _jit_build():
     srcs = _sources()
     if not srcs:
         raise RuntimeError("no sources under csrc/ (JIT build needs a source checkout)")
-    build_dir = os.environ.get(
-        "LS_FAIRSEQ_BUILD_DIR",
-        os.path.join(os.path.expanduser("~"), ".cache", "ls_fairseq", "jit"),
-    )
+    build_dir = env.build_dir()
     os.makedirs(build_dir, exist_ok=True)
     from ls_fairseq._build_flags import cxx_flags, host_compiler_env, nvcc_flags
 
@@ -50,12 +49,12 @@ def _jit_build():
         extra_cflags=cxx_flags(),
         extra_cuda_cflags=nvcc_flags(),
         build_directory=build_dir,
-        verbose=os.environ.get("LS_FAIRSEQ_JIT_VERBOSE") == "1",
+        verbose=env.jit_verbose(),
     )
 
 
 def _load():
-    if os.environ.get("LS_FAIRSEQ_DISABLE_KERNELS") == "1":
+    if env.kernels_disabled():
         return None, "disabled by LS_FAIRSEQ_DISABLE_KERNELS=1", None
     try:
         import torch
@@ -69,7 +68,7 @@ def _load():
         return mod, None, "prebuilt"
     except ImportError as e:
         errors.append(f"prebuilt ls_fairseq._C not found ({e})")
-    if os.environ.get("LS_FAIRSEQ_JIT") == "1":
+    if env.jit():
         try:
             return _jit_build(), None, "jit"
         except Exception as e:  # noqa: BLE001 - report any build failure as the reason

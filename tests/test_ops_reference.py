@@ -560,14 +560,3 @@ def test_kernel_module_takes_the_reference_off_cuda():
     x = torch.randn(2, 4)
     assert _dispatch.kernel_module("layer_norm", x, None, x) is None
     assert _dispatch.cpp_nodes(None) is None
-
-
-def test_cpp_autograd_setting(monkeypatch):
-    from ls_fairseq.ops import _dispatch
-
-    for value, want in (("1", (True, True)), ("", (True, True)), ("ops", (True, False)), ("0", (False, False))):
-        monkeypatch.setenv("LS_FAIRSEQ_CPP_AUTOGRAD", value)
-        assert _dispatch._cpp_autograd_setting() == want
-    monkeypatch.setenv("LS_FAIRSEQ_CPP_AUTOGRAD", "some")
-    with pytest.raises(ValueError, match="expected 1, ops or 0"):
-        _dispatch._cpp_autograd_setting()

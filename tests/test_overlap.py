@@ -24,6 +24,7 @@ from _models import save_rank_result, two_rank_results
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MODULE = "ls_fairseq_grad_buckets_test"
 _DIR_ENV = "LS_FAIRSEQ_TEST_GRAD_BUCKETS_DIR"  # where a two-rank worker finds the built module
+_PYTHON_HOOKS = "python"  # ... or this: use the Python hooks
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,13 @@ def _use_built_hooks(monkeypatch=None):
         return
     from ls_fairseq.optim import overlap
 
+    if build == _PYTHON_HOOKS:  # the Python hooks, also where the extension has the C++ ones
+        if monkeypatch is None:
+            overlap._grad_buckets_class = lambda: None
+        else:
+            monkeypatch.setattr(overlap, "_grad_buckets_class", lambda: None)
+        return
+
     if build not in sys.path:
         sys.path.insert(0, build)
     cls = importlib.import_module(_MODULE).GradBuckets
@@ -68,10 +76,8 @@ def _use_built_hooks(monkeypatch=None):
 
 def _choose_hooks(which, request, monkeypatch):
     if which == "python_hooks":
-        monkeypatch.setenv("LS_FAIRSEQ_CPP_HOOKS", "0")
-        monkeypatch.delenv(_DIR_ENV, raising=False)
+        monkeypatch.setenv(_DIR_ENV, _PYTHON_HOOKS)
     else:
-        monkeypatch.delenv("LS_FAIRSEQ_CPP_HOOKS", raising=False)
         monkeypatch.setenv(_DIR_ENV, request.getfixturevalue("grad_buckets_dir"))
 
 
@@ -289,17 +295,9 @@ def _train(rank, port, out_dir):
     return group
 
 
-@pytest.mark.parametrize("fold,hooks", [("copy_then_divide", "python_hooks"), ("fused", "python_hooks"),
-                                        ("copy_then_divide", "cpp_hooks")])
-def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, request, fold, hooks):
-    """``fused`` (``LS_FAIRSEQ_FUSED_FOLD=1``): each complete bucket is copied and divided in one call of
-    ops.copy_div_ (its reference on the CPU) instead of a copy and a division of the whole range (with
-    the Python hooks; the C++ hooks fold in C++)."""
+@pytest.mark.parametrize("hooks", ["python_hooks", "cpp_hooks"])
+def test_overlapped_reduction_equals_the_synchronous_one_bit_for_bit(tmp_path, monkeypatch, request, hooks):
     _choose_hooks(hooks, request, monkeypatch)
-    if fold == "fused":
-        monkeypatch.setenv("LS_FAIRSEQ_FUSED_FOLD", "1")
-    else:
-        monkeypatch.delenv("LS_FAIRSEQ_FUSED_FOLD", raising=False)
     got = two_rank_results(_worker, tmp_path)
     for rank in (0, 1):
         out = got[rank]

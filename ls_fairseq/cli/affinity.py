@@ -22,6 +22,7 @@ group's set-up started before (NCCL's) keep the whole machine.
 import logging
 import os
 from typing import Dict, List, Optional, Sequence
+from ls_fairseq import env
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +34,7 @@ AUTO_MIN_CPUS = 4  # "auto" leaves a machine alone where a slice would be smalle
 
 def setting() -> str:
     """'auto', 'on' or 'off', from LS_FAIRSEQ_CPU_AFFINITY."""
-    value = os.environ.get("LS_FAIRSEQ_CPU_AFFINITY", "auto").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("1", "true", "yes", "on"):
-        return "on"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    raise ValueError(f"LS_FAIRSEQ_CPU_AFFINITY={value!r}: expected auto, 0 or 1")
+    return env.cpu_affinity()
 
 
 def _parse_list(text: str) -> List[int]:

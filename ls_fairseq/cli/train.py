@@ -38,6 +38,7 @@ from typing import List, Optional
 
 from ls_fairseq._collective_defaults import import_collective_defaults_early
 from ls_fairseq.cli import _common
+from ls_fairseq import env
 
 # the workers that fairseq spawns import this module (for _train_main) before they join the group
 import_collective_defaults_early()
@@ -257,7 +258,7 @@ def check_device_args(args: argparse.Namespace) -> None:
         reason = fp8_unavailable_reason(device, dtype)
         if reason is not None:
             raise SystemExit(f"lightseq-train: {reason}")
-    if os.environ.get("LS_FAIRSEQ_FP16_OPTIMIZER") == "1" and getattr(args, "fp16", False):
+    if env.fp16_optimizer() and getattr(args, "fp16", False):
         import torch
 
         if getattr(args, "cpu", False) or not torch.cuda.is_available():
@@ -345,7 +346,7 @@ def ls_adam_owns_master_weights(args: argparse.Namespace) -> bool:
     an H200 the same speed or slightly faster (benchmarks/RESULTS.md). Returns True when it
     switched the wrapper.
     """
-    if getattr(args, "optimizer", None) != "ls_adam" or os.environ.get("LS_FAIRSEQ_FP16_OPTIMIZER") == "1":
+    if getattr(args, "optimizer", None) != "ls_adam" or env.fp16_optimizer():
         return False
     if getattr(args, "fp16", False) and not getattr(args, "memory_efficient_fp16", False):
         args.memory_efficient_fp16 = True

@@ -67,6 +67,7 @@ from fairseq.distributed import utils as distributed_utils
 from ls_fairseq.fairseq_ext.pending_update import _inner_and_scaler, _PendingStep
 from ls_fairseq.fairseq_ext.step_stats import DeferredLoggingOutput
 from ls_fairseq.fairseq_ext.step_timing import _StepTimer
+from ls_fairseq import env
 
 logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same lines as its Trainer
 
@@ -313,7 +314,7 @@ class DeferredStepMixin:
 
     def _step_timer(self):
         if "_ls_timer" not in self.__dict__:
-            on = self.cuda and os.environ.get("LS_FAIRSEQ_STEP_TIMING") == "1"
+            on = self.cuda and env.step_timing()
             self._ls_timer = _StepTimer(self.data_parallel_rank) if on else None
         return self._ls_timer
 

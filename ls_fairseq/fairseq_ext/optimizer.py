@@ -25,13 +25,11 @@ symmetric memory (:mod:`ls_fairseq.optim.peer`; ``LS_FAIRSEQ_SHARD_P2P=0`` keeps
 Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before
 saving, so they load on any number of GPUs. For models that allow it (``ls_gather_waits``, as
 ls_transformer), the all-gathers of the new weights overlap the next forward pass, which waits
-for them layer by layer (:mod:`ls_fairseq.optim.gather_waits`; ``LS_FAIRSEQ_GATHER_WAITS=0`` makes
-the step wait for all of them instead).
+for them layer by layer (:mod:`ls_fairseq.optim.gather_waits`).
 """
 
 import ast
 import logging
-import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, List
@@ -44,6 +42,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from ls_fairseq.fairseq_ext.wrappers import wrapper_chain
 from ls_fairseq.optim.adam import LSAdam, check_hyperparams
 from ls_fairseq.optim.overlap import DEFAULT_BUCKET_MB
+from ls_fairseq import env
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +202,7 @@ class LSFairseqAdam(FairseqOptimizer):
             logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, %s)",
                         ddp.world_size, ddp.world_size,
                         "writing the new weights on both GPUs" if peers else "then an all-gather of the weights")
-            if peers is None and getattr(ddp.module, "ls_gather_waits", False) \
-                    and os.environ.get("LS_FAIRSEQ_GATHER_WAITS") != "0":
+            if peers is None and getattr(ddp.module, "ls_gather_waits", False):
                 from ls_fairseq.optim.gather_waits import GatherWaits
 
                 self._gather_waits = GatherWaits(self._optimizer, ddp.module)
@@ -234,7 +232,7 @@ class LSFairseqAdam(FairseqOptimizer):
         import torch
         from fairseq.distributed import utils as distributed_utils
 
-        if os.environ.get("LS_FAIRSEQ_SYNC_ALL_REDUCE") == "1" or ddp.world_size < 2:
+        if env.sync_all_reduce() or ddp.world_size < 2:
             return False
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             return False

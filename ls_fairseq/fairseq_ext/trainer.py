@@ -51,7 +51,6 @@ update and its settling :mod:`~ls_fairseq.fairseq_ext.pending_update`, the updat
 import contextlib
 import functools
 import logging
-import os
 
 import torch
 from fairseq import utils
@@ -65,6 +64,7 @@ from ls_fairseq.fairseq_ext.pending_update import PendingUpdateMixin, _inner_and
 from ls_fairseq.fairseq_ext.sample_prep import SamplePrepMixin, pin_sample
 from ls_fairseq.fairseq_ext.step_stats import DeferredLoggingOutput, StepStatsMixin
 from ls_fairseq.fairseq_ext.step_timing import host_sections_summary, step_timing_summary
+from ls_fairseq import env
 
 # the names other modules and scripts import from here
 __all__ = ["LSTrainer", "DeferredLoggingOutput", "host_sections_summary", "pin_sample", "plain_trainer_requested",
@@ -75,17 +75,13 @@ logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same 
 
 
 def plain_trainer_requested() -> bool:
-    return os.environ.get("LS_FAIRSEQ_PLAIN_TRAINER") == "1"
+    return env.plain_trainer()
 
 
 def shard_adam_requested():
     """LS_FAIRSEQ_SHARD_ADAM: "1" shards ls_adam's state (True); "p2p", the default, only where the
     ranks can write each other's weights ("p2p"); "0": every rank keeps the whole state (False)."""
-    value = os.environ.get("LS_FAIRSEQ_SHARD_ADAM", "p2p")
-    modes = {"0": False, "1": True, "p2p": "p2p", "": "p2p"}
-    if value not in modes:
-        raise ValueError(f"LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not {value!r}")
-    return modes[value]
+    return env.shard_adam()
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +113,7 @@ def seed_generators(seed: int) -> None:
 
 
 def sync_step_requested() -> bool:
-    return os.environ.get("LS_FAIRSEQ_SYNC_STEP") == "1"
+    return env.sync_step()
 
 
 @contextlib.contextmanager

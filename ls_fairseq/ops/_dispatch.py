@@ -5,7 +5,6 @@ loaded, and the extension exports the op's entry point. Everything else (CPU ten
 no extension, LS_FAIRSEQ_DISABLE_KERNELS=1) runs the reference. :func:`explain` tells why.
 """
 
-import os
 from typing import Optional
 
 import torch
@@ -72,9 +71,7 @@ def cpp_nodes(mod, linear: bool = False):
 
     The C++ nodes do the work of the Python autograd.Functions without entering Python after the
     call; they are used in eager mode whenever the extension has them. ``torch.compile`` traces
-    the Python Functions (through the custom ops). ``LS_FAIRSEQ_CPP_AUTOGRAD``: ``1`` (default)
-    every node, ``ops`` the op nodes with ``F.linear`` for the projections (``linear=True`` asks
-    for the linear node), ``0`` the Python Functions and ``F.linear`` everywhere (to compare)."""
+    the Python Functions (through the custom ops). ``linear=True`` asks for the linear node."""
     if mod is None or not (_CPP_LINEAR if linear else _CPP_AUTOGRAD) or torch.compiler.is_compiling():
         return None
     return mod if _has_nodes(mod) else None
@@ -94,7 +91,7 @@ def cpp_layers(x):
 
     That call records the same C++ nodes as the layer's Python forward, so it needs what they need:
     ``x`` on CUDA in a kernel dtype, the C++ nodes including the linear node, eager mode without
-    autocast. ``LS_FAIRSEQ_CPP_LAYERS=0`` keeps the Python layers (to compare)."""
+    autocast."""
     if not _CPP_LAYERS or not x.is_cuda or x.dtype not in KERNEL_DTYPES:
         return None
     mod = cpp_nodes(_ext.get(), linear=True)
@@ -124,38 +121,21 @@ def explain_autograd() -> str:
         if not hasattr(mod, "encoder_layer_fwd"):
             layers = "layers in Python (this extension build has no C++ layers)"
         elif _CPP_LAYERS:
-            layers = "each encoder / decoder layer one C++ call (LS_FAIRSEQ_CPP_LAYERS=1)"
+            layers = "each encoder / decoder layer one C++ call"
         else:
-            layers = "layers in Python (LS_FAIRSEQ_CPP_LAYERS=0)"
-        return f"C++ nodes for the fused ops and the projections (LS_FAIRSEQ_CPP_AUTOGRAD=1); {layers}"
+            layers = "layers in Python"
+        return f"C++ nodes for the fused ops and the projections; {layers}"
     if _CPP_AUTOGRAD:
-        return "C++ nodes for the fused ops, F.linear for the projections (LS_FAIRSEQ_CPP_AUTOGRAD=ops)"
-    return "Python autograd.Functions and F.linear (LS_FAIRSEQ_CPP_AUTOGRAD=0)"
+        return "C++ nodes for the fused ops, F.linear for the projections"
+    return "Python autograd.Functions and F.linear"
 
 
-def _cpp_autograd_setting():
-    """(op nodes, linear node) from LS_FAIRSEQ_CPP_AUTOGRAD."""
-    value = os.environ.get("LS_FAIRSEQ_CPP_AUTOGRAD", "1").strip().lower()
-    if value in ("", "1", "true", "yes"):
-        return True, True
-    if value == "ops":
-        return True, False
-    if value in ("0", "false", "no"):
-        return False, False
-    raise ValueError(f"LS_FAIRSEQ_CPP_AUTOGRAD={value!r}: expected 1, ops or 0")
-
-
-def _cpp_layers_setting() -> bool:
-    value = os.environ.get("LS_FAIRSEQ_CPP_LAYERS", "1").strip().lower()
-    if value in ("", "1", "true", "yes"):
-        return True
-    if value in ("0", "false", "no"):
-        return False
-    raise ValueError(f"LS_FAIRSEQ_CPP_LAYERS={value!r}: expected 1 or 0")
-
-
-_CPP_AUTOGRAD, _CPP_LINEAR = _cpp_autograd_setting()
-_CPP_LAYERS = _cpp_layers_setting()
+# The C++ nodes (ops, and the linear node) and the one-call C++ layers are used whenever the extension has
+# them (measured faster: they take the Python off the host's path). These flags exist for the tests that
+# compare them with the Python Functions and layers, which torch.compile, the CPU and incremental decoding use.
+_CPP_AUTOGRAD = True
+_CPP_LINEAR = True
+_CPP_LAYERS = True
 
 
 def explain(op: str) -> str:

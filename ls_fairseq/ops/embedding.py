@@ -8,7 +8,6 @@ not accumulated into row ``padding_idx`` (nn.Embedding's padding_idx semantics);
 gradient of ``pos_weight`` is produced only if it requires grad (learned positions).
 """
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from ls_fairseq.ops._checks import check_dropout, up
 from ls_fairseq.ops._dispatch import kernel_module
 from ls_fairseq.ops._kernels import call, unpack_mask
+from ls_fairseq import env
 
 
 def embedding_reference(tokens, weight, pos_weight=None, positions=None, scale: float = 1.0, p: float = 0.0,
@@ -65,7 +65,7 @@ def deterministic() -> bool:
     The fused embedding backward is sort-based and deterministic in every mode, so this only
     documents the contract; kernels that gain a faster atomic path must check it.
     """
-    return os.environ.get("LS_FAIRSEQ_DETERMINISTIC") == "1" or torch.are_deterministic_algorithms_enabled()
+    return env.deterministic() or torch.are_deterministic_algorithms_enabled()
 
 
 class _EmbeddingFn(torch.autograd.Function):

@@ -15,15 +15,13 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   has them (``ls_fairseq._C.GradBuckets``, csrc/torch/grad_buckets.cpp) the hooks sit on the
   parameters' gradient accumulators in C++: they count and fold without Python and call it once
   per backward (to ask whether the round is armed) and once per complete bucket (to launch its
-  collective), instead of once per parameter with a Python loop per bucket.
-  ``LS_FAIRSEQ_CPP_HOOKS=0`` (or ``LS_FAIRSEQ_FUSED_FOLD=1``) keeps the Python
-  post-accumulate-grad hooks; both do the same. The hook that completes a bucket
+  collective), instead of once per parameter with a Python loop per bucket. Without them (an
+  extension built without, or none) Python post-accumulate-grad hooks do the same. The hook that completes a bucket
   writes the bucket's gradients into its range of the flat buffer in one multi-tensor copy,
   divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
   fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
   hands the bucket to an asynchronous ``all_reduce(SUM)``: a few kernels per bucket, not one
-  per parameter. ``LS_FAIRSEQ_FUSED_FOLD=1`` does the copy and the division in one pass
-  (:func:`ls_fairseq.ops.copy_div_`, the same values; on two H200s it measured no faster).
+  per parameter.
   Buckets are launched strictly in the global order, so every rank issues the same
   collectives in the same sequence whatever order its hooks fire in.
 * End of the backward. The first hook of a round queues a callback that runs when the
@@ -69,7 +67,6 @@ backward, used both inside and outside a reentrant activation checkpoint).
 """
 
 import logging
-import os
 import weakref
 from typing import List, Sequence, Tuple
 
@@ -115,10 +112,7 @@ _WRITTEN_AGAIN = (
 
 
 def _grad_buckets_class():
-    """The extension's C++ hooks (``ls_fairseq._C.GradBuckets``), or None: not built, or
-    ``LS_FAIRSEQ_CPP_HOOKS=0``."""
-    if os.environ.get("LS_FAIRSEQ_CPP_HOOKS", "1").strip() == "0":
-        return None
+    """The extension's C++ hooks (``ls_fairseq._C.GradBuckets``), or None where it has none."""
     return getattr(_ext.get(), "GradBuckets", None)
 
 
@@ -163,12 +157,10 @@ class OverlappedReducer:
             self._sizes.append(len(bk.members))
         self._round = None
         self._told_missed = False
-        # LS_FAIRSEQ_FUSED_FOLD=1: copy and divide each complete bucket in one pass (ops.copy_div_)
-        self.fused_fold = os.environ.get("LS_FAIRSEQ_FUSED_FOLD") == "1"
         self._peer = None  # _PeerCopies, see use_peer_copies
         self._handles = []
         self._native = None  # the C++ hooks (GradBuckets), when used
-        native_cls = None if self.fused_fold else _grad_buckets_class()
+        native_cls = _grad_buckets_class()
         if native_cls is not None:
             first = [0]
             for size in self._sizes:
@@ -325,9 +317,6 @@ class OverlappedReducer:
         buffer (one multi-tensor copy; zero without a gradient), divide the range by the world size
         in one kernel, and make every ``p.grad`` its view (the tensors autograd produced are freed)."""
         bk = self.buckets[n]
-        if self.fused_fold:  # the same values; gaps between parameters are not written (they hold zeros)
-            bk.buffer.adopt_grads(bk.members, divide_by=self.world_size)
-            return
         bk.buffer.adopt_grads(bk.members)
         bk.flat.div_(self.world_size)
 

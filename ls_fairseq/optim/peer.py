@@ -15,7 +15,6 @@ instead. ``LS_FAIRSEQ_SHARD_P2P=0`` turns it off.
 """
 
 import logging
-import os
 import socket
 import zlib
 from typing import Dict, Optional, Sequence
@@ -24,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from ls_fairseq.optim.workspace import FlatWorkspace
+from ls_fairseq import env
 
 logger = logging.getLogger(__name__)
 
 
 def peer_writes_requested() -> bool:
-    return os.environ.get("LS_FAIRSEQ_SHARD_P2P", "1") != "0"
+    return env.shard_p2p()
 
 
 def _why_not(workspaces: Sequence[FlatWorkspace], world_size: int, group) -> Optional[str]:
@@ -79,7 +79,7 @@ def map_peer_inboxes(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     group = group if group is not None else dist.group.WORLD
     buffers = [buf for ws in workspaces for buf in ws.buffers]
     reason = _why_not(workspaces, world_size, group)
-    if reason is None and os.environ.get("LS_FAIRSEQ_PEER_REDUCE", "1") == "0":
+    if reason is None and not env.peer_reduce():
         reason = "LS_FAIRSEQ_PEER_REDUCE=0"
     mapped = _map_symmetric([(buf.numel, buf.grad.dtype) for buf in buffers], buffers[0].device, rank, group,
                             reason)

@@ -156,7 +156,7 @@ def test_node_errors_are_python_errors():
 
 
 def test_python_functions_switch(python_functions):
-    """LS_FAIRSEQ_CPP_AUTOGRAD=0 (here: the module flag) takes the Python Functions."""
+    """With the module flag off the ops take the Python Functions (as torch.compile does)."""
     x = torch.randn(2, 5, 64, device="cuda", requires_grad=True)
     w = torch.ones(64, device="cuda", requires_grad=True)
     b = torch.zeros(64, device="cuda", requires_grad=True)

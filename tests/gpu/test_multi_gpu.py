@@ -126,19 +126,6 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, 
         assert counted["reads"] == {}, (r, counted)
 
 
-@pytest.mark.parametrize("shard", ["default", "whole"])
-def test_fused_fold_takes_the_same_updates_on_two_gpus(data_bin, tmp_path, shard):  # noqa: F811
-    """``LS_FAIRSEQ_FUSED_FOLD=1`` copies and divides each complete gradient bucket in one kernel
-    (ops.copy_div_) instead of a copy and a division: the same updates bit for bit, and the same
-    checkpoint, sharded (the default on two GPUs) and with the whole state."""
-    _need_two_gpus()
-    base = {} if shard == "default" else {"LS_FAIRSEQ_SHARD_ADAM": "0"}
-    runs = _ten_updates_per_setting(data_bin, tmp_path, ["--fp16"],
-                                    (("fused", {**base, "LS_FAIRSEQ_FUSED_FOLD": "1"}), ("plain", base)))
-    _assert_same_updates(runs["fused"], runs["plain"], ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"))
-    assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("fused", "plain")))
-
-
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
 def test_peer_copies_take_the_updates_of_nccl_reduce_scatter(data_bin, tmp_path, precision):  # noqa: F811
     """On two GPUs of one host the sharded reduction copies each complete bucket's other part into the

@@ -1,0 +1,105 @@
+"""Every environment variable ls_fairseq reads at run time, in one place (docs/environment.md).
+
+None is needed to install, train or translate: the defaults are what was measured best. What is left:
+
+- loading the extension: LS_FAIRSEQ_JIT, LS_FAIRSEQ_JIT_VERBOSE, LS_FAIRSEQ_BUILD_DIR (the build-time ones,
+  LS_FAIRSEQ_NO_CUDA, LS_FAIRSEQ_FORCE_CUDA, LS_FAIRSEQ_KEEP_CXX and LS_FAIRSEQ_DEBUG_SYNC, are read by setup.py
+  and ls_fairseq/_build_flags.py, which run before the package can be imported);
+- diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
+- user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY, LS_FAIRSEQ_SHARD_ADAM;
+- bug-report switches, each taking a part of lightseq-train back to the simpler path that is also its automatic
+  fallback, to tell a problem in that part from the rest: LS_FAIRSEQ_PLAIN_TRAINER, LS_FAIRSEQ_SYNC_STEP,
+  LS_FAIRSEQ_FP16_OPTIMIZER, LS_FAIRSEQ_SYNC_ALL_REDUCE, LS_FAIRSEQ_PEER_REDUCE, LS_FAIRSEQ_SHARD_P2P.
+
+Each is read when it is needed (not at import), so a test or a launcher may set it late.
+"""
+
+import os
+
+
+def _get(name: str, default: str = "") -> str:
+    return os.environ.get(name, default).strip()
+
+
+def _on(name: str) -> bool:
+    return _get(name) == "1"
+
+
+# ------------------------------------------------------------ building and loading the extension
+def jit() -> bool:
+    return _on("LS_FAIRSEQ_JIT")
+
+
+def jit_verbose() -> bool:
+    return _on("LS_FAIRSEQ_JIT_VERBOSE")
+
+
+def build_dir() -> str:
+    return _get("LS_FAIRSEQ_BUILD_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ls_fairseq", "jit")
+
+
+# ------------------------------------------------------------ diagnosis
+def kernels_disabled() -> bool:
+    return _on("LS_FAIRSEQ_DISABLE_KERNELS")
+
+
+def step_timing() -> bool:
+    return _on("LS_FAIRSEQ_STEP_TIMING")
+
+
+# ------------------------------------------------------------ user settings
+def deterministic() -> bool:
+    return _on("LS_FAIRSEQ_DETERMINISTIC")
+
+
+def cpu_affinity() -> str:
+    """'auto', 'on' or 'off' (LS_FAIRSEQ_CPU_AFFINITY: auto, 1, 0)."""
+    value = _get("LS_FAIRSEQ_CPU_AFFINITY", "auto").lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"LS_FAIRSEQ_CPU_AFFINITY={value!r}: expected auto, 0 or 1")
+
+
+def shard_adam():
+    """LS_FAIRSEQ_SHARD_ADAM: "1" shards ls_adam's state (True); "p2p", the default, only where the ranks can write
+    each other's weights ("p2p"); "0": every rank keeps the whole state (False)."""
+    value = _get("LS_FAIRSEQ_SHARD_ADAM", "p2p")
+    modes = {"0": False, "1": True, "p2p": "p2p", "": "p2p"}
+    if value not in modes:
+        raise ValueError(f"LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not {value!r}")
+    return modes[value]
+
+
+# ------------------------------------------------------------ bug-report switches
+def plain_trainer() -> bool:
+    """fairseq's Trainer unchanged in lightseq-train."""
+    return _on("LS_FAIRSEQ_PLAIN_TRAINER")
+
+
+def sync_step() -> bool:
+    """fairseq's own update body in LSTrainer (the step it takes where the deferred step does not apply)."""
+    return _on("LS_FAIRSEQ_SYNC_STEP")
+
+
+def fp16_optimizer() -> bool:
+    """fairseq's FP16Optimizer around ls_adam (an extra fp32 copy of the weights)."""
+    return _on("LS_FAIRSEQ_FP16_OPTIMIZER")
+
+
+def sync_all_reduce() -> bool:
+    """Several GPUs: one all-reduce after the backward (the path without post-accumulate-grad hooks)."""
+    return _on("LS_FAIRSEQ_SYNC_ALL_REDUCE")
+
+
+def peer_reduce() -> bool:
+    """Two GPUs: peer copies for the reduction (off: NCCL's reduce-scatter, the path for other GPU pairs)."""
+    return _get("LS_FAIRSEQ_PEER_REDUCE", "1") != "0"
+
+
+def shard_p2p() -> bool:
+    """Two GPUs: new weights written into both GPUs (off: the all-gather, the path for other GPU counts)."""
+    return _get("LS_FAIRSEQ_SHARD_P2P", "1") != "0"
