@@ -15,12 +15,11 @@ from _models import build_cpu_nodes_module
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+def nodes():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler to build the nodes with")
-    build = str(tmp_path_factory.mktemp("cpp_nodes_build"))
-    # -O0 for build speed; the wiring is what is tested
-    return build_cpu_nodes_module("ls_fairseq_cpp_nodes_test", build, extra_cflags=["-O0"])
+    # -O0 for build speed; the wiring is what is tested. Built once, then cached while the sources stay the same.
+    return build_cpu_nodes_module("ls_fairseq_cpp_nodes_test", extra_cflags=["-O0"])
 
 
 def _leaves(*ts):
