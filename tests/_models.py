@@ -1,8 +1,13 @@
 """Helpers for the tests: native and ls transformer models without data on disk, binarised toy data,
-checked command runs, the C++ autograd nodes built for the CPU."""
+fairseq's and the plugin's mains run in-process, checked command runs, the C++ autograd nodes built for
+the CPU."""
 
 import argparse
+import contextlib
+import json
+import logging
 import os
+import sys
 import types
 
 import torch
@@ -43,6 +48,89 @@ def random_batch(d, B=3, S=7, T=5, seed=0):
     prev[1, -2:] = d.pad()
     lengths = src.ne(d.pad()).sum(1)
     return src, lengths, prev, tgt
+
+
+# ----------------------------------------------------------------------------- fairseq's mains in-process
+# A subprocess pays seconds for importing fairseq; a test that is not about the command line itself (its
+# process, its exit, its console script) runs the main in the test's process instead.
+TOY_CORPUS = {"n_train": 240, "n_valid": 32, "n_test": 37, "seed": 5}  # 37: not a multiple of 8
+
+
+class _JsonRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.items = []
+
+    def emit(self, record):
+        try:
+            self.items.append((record.name, json.loads(record.getMessage())))
+        except ValueError:
+            pass
+
+
+@contextlib.contextmanager
+def fairseq_run():
+    """Collect fairseq's json progress records (``--log-format json``) as (logger name, record); restore
+    sys.argv and the root logging handlers afterwards."""
+    lg = logging.getLogger("fairseq.logging.progress_bar")
+    handler, level = _JsonRecords(), lg.level
+    lg.setLevel(logging.INFO)
+    lg.addHandler(handler)
+    argv, root_handlers = list(sys.argv), list(logging.root.handlers)
+    try:
+        yield handler.items
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+        sys.argv = argv
+        for h in list(logging.root.handlers):
+            if h not in root_handlers:
+                logging.root.removeHandler(h)
+
+
+def lightseq_train(argv):
+    """lightseq-train ``argv`` in this process; its json progress records (see :func:`fairseq_run`)."""
+    from ls_fairseq.cli import train
+
+    with fairseq_run() as records:
+        train.cli_main(list(argv))
+    return records
+
+
+def inner_by_update(records):
+    """{num_updates: train_inner record} of :func:`lightseq_train`'s records."""
+    return {int(r["num_updates"]): r for name, r in records if name == "train_inner"}
+
+
+def preprocess(raw, dest, src="src", tgt="tgt", test=True):
+    """fairseq-preprocess (in this process) of ``raw``/{train,valid[,test]}.{src,tgt} into ``dest``, with a
+    joined dictionary; returns ``dest`` as a string."""
+    from fairseq import options
+    from fairseq_cli import preprocess as fairseq_preprocess
+
+    raw, dest = str(raw), str(dest)
+    args = options.get_preprocessing_parser().parse_args([
+        "--source-lang", src, "--target-lang", tgt, "--joined-dictionary", "--workers", "1",
+        "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--destdir", dest,
+        *(["--testpref", f"{raw}/test"] if test else []),
+    ])
+    with fairseq_run():
+        fairseq_preprocess.main(args)
+    return dest
+
+
+def make_toy_data_bin(work):
+    """scripts/make_toy_corpus.py's corpus (:data:`TOY_CORPUS`) under ``work``/raw, binarised into
+    ``work``/data-bin."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("make_toy_corpus",
+                                                  os.path.join(root, "scripts", "make_toy_corpus.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.make_corpus(os.path.join(str(work), "raw"), **TOY_CORPUS)
+    return preprocess(os.path.join(str(work), "raw"), os.path.join(str(work), "data-bin"))
 
 
 def run_checked(cmd, cwd, env, timeout: int):
