@@ -97,6 +97,18 @@ def lightseq_train(argv):
     return records
 
 
+def fairseq_main(name, argv):
+    """fairseq's own ``fairseq-<name>`` (fairseq_cli.<name>.cli_main, which reads sys.argv) on ``argv`` in this
+    process; its json progress records (see :func:`fairseq_run`)."""
+    import importlib
+
+    module = importlib.import_module(f"fairseq_cli.{name}")
+    with fairseq_run() as records:
+        sys.argv = [f"fairseq-{name}", *argv]
+        module.cli_main()
+    return records
+
+
 def inner_by_update(records):
     """{num_updates: train_inner record} of :func:`lightseq_train`'s records."""
     return {int(r["num_updates"]): r for name, r in records if name == "train_inner"}

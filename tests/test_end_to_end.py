@@ -3,7 +3,8 @@ fairseq-preprocess -> lightseq-train (ls_transformer_tiny, ls_adam, ls criterion
 lightseq-validate -> lightseq-generate --beam 4, plus plain fairseq-generate --user-dir.
 
 The lightseq mains run in-process (fairseq's import costs seconds per subprocess); only the
-plain fairseq-generate check runs the installed console script.
+plain fairseq-generate check runs the installed console script. Every run reads its data without a
+worker process (--num-workers 0): torch waits seconds for one to end.
 """
 
 import importlib.util
@@ -116,7 +117,7 @@ def test_validate_reproduces_the_training_validation_loss(data_bin, straight_run
     assert valid, "training logged no validation"
     with fairseq_run() as out:
         validate.cli_main([data_bin, "--path", os.path.join(save, "checkpoint_last.pt"),
-                           "--valid-subset", "valid", "--max-tokens", "400", "--cpu",
+                           "--valid-subset", "valid", "--max-tokens", "400", "--cpu", "--num-workers", "0",
                            "--log-format", "json"])
     scored = [r for name, r in out if name == "valid"]
     assert len(scored) == 1
@@ -135,7 +136,7 @@ def test_generate_beam4_translates_every_sentence(data_bin, straight_run, tmp_pa
 
     save, _ = straight_run
     flags = [data_bin, "--path", os.path.join(save, "checkpoint_last.pt"), "--beam", "4",
-             "--batch-size", "10", "--cpu", "--gen-subset", "test"]
+             "--batch-size", "10", "--cpu", "--gen-subset", "test", "--num-workers", "0"]
     with fairseq_run():
         generate.cli_main(flags + ["--results-path", str(tmp_path / "all")])
     hyps = _hypotheses(tmp_path / "all" / "generate-test.txt")
@@ -156,7 +157,7 @@ def test_plain_fairseq_generate_loads_an_ls_checkpoint(data_bin, straight_run, t
     out = subprocess.run(
         [exe, data_bin, "--path", os.path.join(save, "checkpoint_last.pt"),
          "--user-dir", os.path.join(ROOT, "user_dir"), "--beam", "4", "--batch-size", "16",
-         "--required-batch-size-multiple", "1", "--cpu", "--gen-subset", "test"],
+         "--required-batch-size-multiple", "1", "--cpu", "--gen-subset", "test", "--num-workers", "0"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
