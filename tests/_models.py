@@ -88,6 +88,33 @@ def fairseq_run():
                 logging.root.removeHandler(h)
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def log_lines(names=("fairseq", "fairseq_cli", "ls_fairseq")):
+    """The messages (INFO and up) logged under the loggers ``names`` while inside, as a list of lines: what
+    a lightseq-train process would print."""
+    handler = _Lines()
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
 def lightseq_train(argv):
     """lightseq-train ``argv`` in this process; its json progress records (see :func:`fairseq_run`)."""
     from ls_fairseq.cli import train
