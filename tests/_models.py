@@ -1,6 +1,6 @@
 """Helpers for the tests: native and ls transformer models without data on disk, binarised toy data,
-fairseq's and the plugin's mains run in-process, checked command runs, the C++ autograd nodes built for
-the CPU."""
+fairseq's and the plugin's mains run in-process, checked command runs, two-rank runs. (The C++ modules
+built for the CPU tests: tests/_cpu_builds.py.)"""
 
 import argparse
 import contextlib
@@ -312,82 +312,3 @@ def assert_same_checkpoint_state(path_a, path_b):
     assert sorted(ta) == sorted(tb) and len(tb) > 0
     for k in tb:
         assert torch.equal(ta[k], tb[k]), k
-
-
-def cached_cpu_extension(name: str, sources, extra_cflags=()):
-    """``sources`` (paths relative to the repository) built on this machine with
-    torch.utils.cpp_extension as the Python module ``name``, with csrc/ on the include path; returns
-    (module, the folder that holds ``name``.so).
-
-    The folder is named after a hash of everything the build reads (the sources, every header under
-    csrc/ and tests/cpp/, the flags, torch, Python and the compiler) in a cache under the temporary
-    directory (``LS_FAIRSEQ_TEST_BUILD_CACHE`` to choose another): the first session compiles, later
-    ones with the same inputs load what it built. A build happens in a folder of its own that is renamed
-    into place once complete, so an interrupted build leaves nothing that a later session would take
-    for finished, and two sessions building at once both succeed."""
-    import hashlib
-    import importlib.util
-    import shutil
-    import sys
-    import tempfile
-
-    from torch.utils import cpp_extension
-
-    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.environ.update(host_compiler_env())
-    cflags = cxx_flags() + list(extra_cflags)
-    cxx = os.environ.get("CXX", "c++")
-    compiler = shutil.which(cxx.split()[0]) if cxx.strip() else None
-    h = hashlib.sha256()
-    for part in (name, torch.__version__, torch.version.git_version, sys.version, cxx,
-                 os.path.realpath(compiler) if compiler else "", *cflags):
-        h.update(str(part).encode() + b"\0")
-    if compiler:
-        h.update(str(os.stat(os.path.realpath(compiler)).st_mtime_ns).encode())
-    headers = []
-    for folder in ("csrc", os.path.join("tests", "cpp")):
-        for dirpath, _, files in os.walk(os.path.join(root, folder)):
-            headers += [os.path.join(dirpath, f) for f in files if f.endswith((".h", ".hpp", ".cuh"))]
-    for path in list(sources) + sorted(os.path.relpath(p, root) for p in headers):
-        h.update(path.encode() + b"\0")
-        with open(os.path.join(root, path), "rb") as f:
-            h.update(hashlib.sha256(f.read()).digest())
-
-    cache = os.environ.get("LS_FAIRSEQ_TEST_BUILD_CACHE") or os.path.join(tempfile.gettempdir(),
-                                                                          "ls_fairseq-test-builds")
-    os.makedirs(cache, exist_ok=True)
-    final = os.path.join(cache, f"{name}-{h.hexdigest()[:20]}")
-    library = os.path.join(final, f"{name}.so")
-    if os.path.isfile(library):
-        spec = importlib.util.spec_from_file_location(name, library)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module, final
-    build = tempfile.mkdtemp(prefix=f"{name}-building-", dir=cache)
-    module = cpp_extension.load(
-        name=name,
-        sources=[os.path.join(root, s) for s in sources],
-        extra_include_paths=[os.path.join(root, "csrc")],
-        extra_cflags=cflags,
-        build_directory=build,
-        verbose=False,
-    )
-    try:
-        os.rename(build, final)
-    except OSError:  # another session put the same build in place first
-        shutil.rmtree(build, ignore_errors=True)
-    return module, final
-
-
-def build_cpu_nodes_module(name: str, extra_cflags=()):
-    """csrc/torch/autograd.cpp and layers.cpp over the ATen CPU stand-ins of its CUDA adapters (tests/cpp), as the Python
-    module ``name`` (tests/test_cpp_nodes.py), built once and cached (:func:`cached_cpu_extension`)."""
-    module, _ = cached_cpu_extension(
-        name,
-        [os.path.join("tests", "cpp", "stand_in_adapters.cpp"), os.path.join("tests", "cpp", "nodes_module.cpp"),
-         os.path.join("csrc", "torch", "autograd.cpp"), os.path.join("csrc", "torch", "layers.cpp")],
-        extra_cflags=extra_cflags,
-    )
-    return module

@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _models import build_cpu_nodes_module
+from _cpu_builds import cached_cpu_extension
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def nodes(cpu_builds):
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler to build the nodes with")
-    # -O0 for build speed; the wiring is what is tested. Built once, then cached while the sources stay the same.
-    return build_cpu_nodes_module("ls_fairseq_cpp_nodes_test", extra_cflags=["-O0"])
+    # built once (at -O0: the wiring is what is tested), then cached while the sources stay the same
+    module, _ = cached_cpu_extension("ls_fairseq_cpp_nodes_test")
+    return module
 
 
 def _leaves(*ts):

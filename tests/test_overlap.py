@@ -19,20 +19,20 @@ import torch.distributed as dist
 from ls_fairseq.optim.overlap import bucket_order, plan_buckets
 from ls_fairseq.optim.workspace import FlatWorkspace
 
-from _models import cached_cpu_extension, save_rank_result, two_rank_results
+from _cpu_builds import cached_cpu_extension
+from _models import save_rank_result, two_rank_results
 
 _MODULE = "ls_fairseq_grad_buckets_test"
 _DIR_ENV = "LS_FAIRSEQ_TEST_GRAD_BUCKETS_DIR"  # where a two-rank worker finds the built module
 
 
 @pytest.fixture(scope="module")
-def grad_buckets_dir():
+def grad_buckets_dir(cpu_builds):
     """csrc/torch/grad_buckets.cpp built as a module of its own (once, then cached while the sources stay
     the same); its folder."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler to build the C++ hooks with")
-    _, build = cached_cpu_extension(_MODULE, [os.path.join("tests", "cpp", "grad_buckets_module.cpp"),
-                                              os.path.join("csrc", "torch", "grad_buckets.cpp")])
+    _, build = cached_cpu_extension(_MODULE)
     return build
 
 
