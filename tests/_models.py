@@ -12,10 +12,12 @@ import types
 
 import torch
 
-from fairseq.data import Dictionary
 
+def make_dict(n_words: int = 50):
+    """A fairseq Dictionary of ``n_words`` words. (fairseq is imported where needed: the two-rank workers
+    import this module, and those that do not use fairseq start faster without it.)"""
+    from fairseq.data import Dictionary
 
-def make_dict(n_words: int = 50) -> Dictionary:
     d = Dictionary()
     for i in range(n_words):
         d.add_symbol(f"w{i}")
