@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from _models import TOY_CORPUS, fairseq_run, inner_by_update, lightseq_train  # noqa: F401  (inner_by_update: for other tests)
+from _models import TOY_CORPUS, fairseq_run, inner_by_update, lightseq_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_TEST = TOY_CORPUS["n_test"]  # not a multiple of fairseq's default --required-batch-size-multiple (8)
