@@ -3,7 +3,8 @@ ls_fairseq._C needs CUDA): the autograd nodes and layers over CPU stand-ins of t
 (tests/test_cpp_nodes.py) and the gradient-bucket hooks (tests/test_overlap.py).
 
 Each is compiled once and cached, keyed on everything its build reads: the first session on a machine
-compiles (a minute or two), later ones load it. tests/conftest.py starts a cold cache's builds in a process
+compiles (a minute or two), later ones load it (a new build removes those of other sources that nothing
+used for three days). tests/conftest.py starts a cold cache's builds in a process
 of their own when the session collects those tests, and runs them last, so the compiler works beside the
 other tests. Also a script, the builder that conftest starts:
 
@@ -106,7 +107,22 @@ def cached_cpu_extension(name):
         os.rename(build, final)
     except OSError:  # another session put the same build in place first
         shutil.rmtree(build, ignore_errors=True)
+    _prune(name, keep=final)
     return module, final
+
+
+def _prune(name, keep, days=3):
+    """Remove the builds of ``name`` for other sources (and abandoned build folders) untouched for ``days``."""
+    import glob
+    import shutil
+    import time
+
+    for old in glob.glob(os.path.join(os.path.dirname(keep), f"{name}-*")):
+        try:
+            if old != keep and time.time() - os.path.getmtime(old) > days * 86400:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def main(names):
