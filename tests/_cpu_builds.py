@@ -4,9 +4,8 @@ ls_fairseq._C needs CUDA): the autograd nodes and layers over CPU stand-ins of t
 
 Each is compiled once and cached, keyed on everything its build reads: the first session on a machine
 compiles (a minute or two), later ones load it (a new build removes those of other sources that nothing
-used for three days). tests/conftest.py starts a cold cache's builds in a process
-of their own when the session collects those tests, and runs them last, so the compiler works beside the
-other tests. Also a script, the builder that conftest starts:
+loaded for three days). tests/conftest.py starts a cold cache's builds in a process of their own when the
+session collects those tests, and runs them last, so the compiler works beside the other tests. Also a script, the builder that conftest starts:
 
     python tests/_cpu_builds.py NAME [NAME ...]
 """
@@ -85,6 +84,10 @@ def cached_cpu_extension(name):
     final, cflags = _folder(name)
     library = os.path.join(final, f"{name}.so")
     if os.path.isfile(library):
+        try:
+            os.utime(final)  # in use: kept by _prune
+        except OSError:
+            pass
         spec = importlib.util.spec_from_file_location(name, library)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -112,7 +115,8 @@ def cached_cpu_extension(name):
 
 
 def _prune(name, keep, days=3):
-    """Remove the builds of ``name`` for other sources (and abandoned build folders) untouched for ``days``."""
+    """Remove the builds of ``name`` for other sources (and abandoned build folders) that nothing built or
+    loaded for ``days``."""
     import glob
     import shutil
     import time
