@@ -32,7 +32,7 @@ USED_BY = {"test_cpp_nodes.py": "ls_fairseq_cpp_nodes_test", "test_overlap.py": 
 def _folder(name):
     """(the cache folder of ``name``'s build, its compiler flags). The folder is named after a hash of the
     sources, every header under csrc/ and tests/cpp/, the flags, torch, Python and the compiler; it lies in
-    a cache under the temporary directory (``LS_FAIRSEQ_TEST_BUILD_CACHE`` to choose another)."""
+    a cache of this user's under the temporary directory (``LS_FAIRSEQ_TEST_BUILD_CACHE`` to choose another)."""
     import hashlib
     import shutil
     import tempfile
@@ -60,8 +60,9 @@ def _folder(name):
         h.update(path.encode() + b"\0")
         with open(os.path.join(ROOT, path), "rb") as f:
             h.update(hashlib.sha256(f.read()).digest())
+    user = getattr(os, "getuid", lambda: "")()  # one cache per user: another's is not writable
     cache = os.environ.get("LS_FAIRSEQ_TEST_BUILD_CACHE") or os.path.join(tempfile.gettempdir(),
-                                                                          "ls_fairseq-test-builds")
+                                                                          f"ls_fairseq-test-builds-{user}")
     return os.path.join(cache, f"{name}-{h.hexdigest()[:20]}"), cflags
 
 
