@@ -1,16 +1,23 @@
 """Helpers for the tests: native and ls transformer models without data on disk, binarised toy data,
-checked command runs, the C++ autograd nodes built for the CPU."""
+fairseq's and the plugin's mains run in-process, checked command runs, two-rank runs. (The C++ modules
+built for the CPU tests: tests/_cpu_builds.py.)"""
 
 import argparse
+import contextlib
+import json
+import logging
 import os
+import sys
 import types
 
 import torch
 
-from fairseq.data import Dictionary
 
+def make_dict(n_words: int = 50):
+    """A fairseq Dictionary of ``n_words`` words. (fairseq is imported where needed: the two-rank workers
+    import this module, and those that do not use fairseq start faster without it.)"""
+    from fairseq.data import Dictionary
 
-def make_dict(n_words: int = 50) -> Dictionary:
     d = Dictionary()
     for i in range(n_words):
         d.add_symbol(f"w{i}")
@@ -43,6 +50,128 @@ def random_batch(d, B=3, S=7, T=5, seed=0):
     prev[1, -2:] = d.pad()
     lengths = src.ne(d.pad()).sum(1)
     return src, lengths, prev, tgt
+
+
+# ----------------------------------------------------------------------------- fairseq's mains in-process
+# A subprocess pays seconds for importing fairseq; a test that is not about the command line itself (its
+# process, its exit, its console script) runs the main in the test's process instead.
+TOY_CORPUS = {"n_train": 240, "n_valid": 32, "n_test": 37, "seed": 5}  # 37: not a multiple of 8
+
+
+class _JsonRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.items = []
+
+    def emit(self, record):
+        try:
+            self.items.append((record.name, json.loads(record.getMessage())))
+        except ValueError:
+            pass
+
+
+@contextlib.contextmanager
+def fairseq_run():
+    """Collect fairseq's json progress records (``--log-format json``) as (logger name, record); restore
+    sys.argv and the root logging handlers afterwards."""
+    lg = logging.getLogger("fairseq.logging.progress_bar")
+    handler, level = _JsonRecords(), lg.level
+    lg.setLevel(logging.INFO)
+    lg.addHandler(handler)
+    argv, root_handlers = list(sys.argv), list(logging.root.handlers)
+    try:
+        yield handler.items
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+        sys.argv = argv
+        for h in list(logging.root.handlers):
+            if h not in root_handlers:
+                logging.root.removeHandler(h)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def log_lines(names=("fairseq", "fairseq_cli", "ls_fairseq")):
+    """The messages (INFO and up) logged under the loggers ``names`` while inside, as a list of lines: what
+    a lightseq-train process would print."""
+    handler = _Lines()
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
+def lightseq_train(argv):
+    """lightseq-train ``argv`` in this process; its json progress records (see :func:`fairseq_run`)."""
+    from ls_fairseq.cli import train
+
+    with fairseq_run() as records:
+        train.cli_main(list(argv))
+    return records
+
+
+def fairseq_main(name, argv):
+    """fairseq's own ``fairseq-<name>`` (fairseq_cli.<name>.cli_main, which reads sys.argv) on ``argv`` in this
+    process; its json progress records (see :func:`fairseq_run`)."""
+    import importlib
+
+    module = importlib.import_module(f"fairseq_cli.{name}")
+    with fairseq_run() as records:
+        sys.argv = [f"fairseq-{name}", *argv]
+        module.cli_main()
+    return records
+
+
+def inner_by_update(records):
+    """{num_updates: train_inner record} of :func:`lightseq_train`'s records."""
+    return {int(r["num_updates"]): r for name, r in records if name == "train_inner"}
+
+
+def preprocess(raw, dest, src="src", tgt="tgt", test=True):
+    """fairseq-preprocess (in this process) of ``raw``/{train,valid[,test]}.{src,tgt} into ``dest``, with a
+    joined dictionary; returns ``dest`` as a string."""
+    from fairseq import options
+    from fairseq_cli import preprocess as fairseq_preprocess
+
+    raw, dest = str(raw), str(dest)
+    args = options.get_preprocessing_parser().parse_args([
+        "--source-lang", src, "--target-lang", tgt, "--joined-dictionary", "--workers", "1",
+        "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--destdir", dest,
+        *(["--testpref", f"{raw}/test"] if test else []),
+    ])
+    with fairseq_run():
+        fairseq_preprocess.main(args)
+    return dest
+
+
+def make_toy_data_bin(work):
+    """scripts/make_toy_corpus.py's corpus (:data:`TOY_CORPUS`) under ``work``/raw, binarised into
+    ``work``/data-bin."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("make_toy_corpus",
+                                                  os.path.join(root, "scripts", "make_toy_corpus.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.make_corpus(os.path.join(str(work), "raw"), **TOY_CORPUS)
+    return preprocess(os.path.join(str(work), "raw"), os.path.join(str(work), "data-bin"))
 
 
 def run_checked(cmd, cwd, env, timeout: int):
@@ -185,25 +314,3 @@ def assert_same_checkpoint_state(path_a, path_b):
     assert sorted(ta) == sorted(tb) and len(tb) > 0
     for k in tb:
         assert torch.equal(ta[k], tb[k]), k
-
-
-def build_cpu_nodes_module(name: str, build_dir: str, extra_cflags=()):
-    """csrc/torch/autograd.cpp and layers.cpp over the ATen CPU stand-ins of its CUDA adapters (tests/cpp), as the Python
-    module ``name`` built in ``build_dir`` (tests/test_cpp_nodes.py)."""
-    from torch.utils import cpp_extension
-
-    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.environ.update(host_compiler_env())
-    return cpp_extension.load(
-        name=name,
-        sources=[os.path.join(root, "tests", "cpp", "stand_in_adapters.cpp"),
-                 os.path.join(root, "tests", "cpp", "nodes_module.cpp"),
-                 os.path.join(root, "csrc", "torch", "autograd.cpp"),
-                 os.path.join(root, "csrc", "torch", "layers.cpp")],
-        extra_include_paths=[os.path.join(root, "csrc")],
-        extra_cflags=cxx_flags() + list(extra_cflags),
-        build_directory=build_dir,
-        verbose=False,
-    )

@@ -115,29 +115,13 @@ def test_a_nan_validation_loss_never_makes_a_best_checkpoint(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the data-bin
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    import subprocess
-    import sys
-
-    root = tmp_path_factory.mktemp("bad_data")
-    raw = root / "raw"
-    raw.mkdir()
-    words = [f"w{i}" for i in range(40)]
-    for split, n in (("train", 30), ("valid", 5)):
-        for lang in ("src", "tgt"):
-            (raw / f"{split}.{lang}").write_text("\n".join(" ".join(words[(i * 7 + j) % 40] for j in range(5))
-                                                           for i in range(n)) + "\n")
-    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src", "--target-lang", "tgt",
-                    "--trainpref", str(raw / "train"), "--validpref", str(raw / "valid"), "--destdir",
-                    str(root / "bin"), "--joined-dictionary", "--workers", "1"], check=True, capture_output=True)
-    return root / "bin"
+# data_bin: the session's toy data-bin (tests/conftest.py); a test that damages it works on a copy
 
 
 def _copy(src, dst):
     import shutil
 
-    shutil.copytree(src, dst)
+    shutil.copytree(str(src), dst)
     return dst
 
 

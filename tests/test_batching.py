@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _models import lightseq_train_two_ranks
-from test_end_to_end import TRAIN_FLAGS, _params, data_bin, inner_by_update, train  # noqa: F401  (fixture)
+from test_end_to_end import TRAIN_FLAGS, _params, inner_by_update, train
 
 from ls_fairseq.fairseq_ext.batching import (
     GroupedShuffleEpochBatchIterator,
@@ -170,7 +170,7 @@ def test_other_iterators_are_left_alone(caplog):
 _RANK_FLAGS = ["--dropout", "0", "--max-update", "8", "--log-interval", "1"]
 
 
-def test_two_ranks_train_like_one_process_with_update_freq_2(data_bin, tmp_path):  # noqa: F811
+def test_two_ranks_train_like_one_process_with_update_freq_2(data_bin, tmp_path):
     """lightseq-train --grouped-shuffling on two gloo processes and on one process with
     --update-freq 2 takes the same updates (same losses, same weights)."""
     save2 = str(tmp_path / "two")

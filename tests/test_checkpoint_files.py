@@ -93,11 +93,11 @@ def test_recover_with_nothing_readable_starts_afresh(tmp_path, caplog):
 
 
 # ----------------------------------------------------------------------------- lightseq-train, killed in a save
-def _toy_data(tmp_path):
-    from tests._models import binarize
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    from tests._models import preprocess
 
-    raw = tmp_path / "raw"
-    raw.mkdir()
+    raw = tmp_path_factory.mktemp("kill_data")
     words = [f"w{i}" for i in range(30)]
     g = torch.Generator().manual_seed(0)
     for split, n in (("train", 200), ("valid", 20), ("test", 20)):
@@ -105,55 +105,65 @@ def _toy_data(tmp_path):
             lines = [" ".join(words[j] for j in torch.randint(0, 30, (int(torch.randint(3, 9, (1,), generator=g)),),
                                                                 generator=g).tolist()) for _ in range(n)]
             (raw / f"{split}.{lang}").write_text("\n".join(lines) + "\n")
-    return binarize(raw)
+    return preprocess(raw, raw / "bin", src="en", tgt="de")
 
 
-def _train(data, save_dir, max_update, kill=None):
-    flags = [data, "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3", "--criterion",
-             "ls_label_smoothed_cross_entropy", "--max-tokens", "500", "--cpu", "--num-workers", "0",
-             "--max-update", str(max_update), "--save-interval-updates", "4", "--no-epoch-checkpoints",
-             "--save-dir", str(save_dir), "--seed", "1", "--log-format", "simple", "--log-interval", "1"]
-    patch = ""
-    if kill is not None:  # ("copy", n): dies halfway through the n-th checkpoint copy; ("write", n): halfway
-        what, n = kill  # through writing the n-th checkpoint file itself
-        patch = textwrap.dedent(f"""
-            import io, os, shutil, torch
-            n = {{"copy": 0, "write": 0}}
-            real_copy, real_save = shutil.copyfileobj, torch.save
-            def copy(fin, fout, length=0):
-                n["copy"] += 1
-                if n["copy"] == {n} and {what!r} == "copy":
-                    fout.write(fin.read(1000)); fout.flush(); os._exit(9)
-                return real_copy(fin, fout, length)
-            def save(obj, f, *a, **k):
-                n["write"] += 1
-                if n["write"] == {n} and {what!r} == "write" and not isinstance(f, (str, os.PathLike)):
-                    buf = io.BytesIO(); real_save(obj, buf, *a, **k)
-                    f.write(buf.getvalue()[:len(buf.getvalue()) // 2]); f.flush(); os._exit(9)
-                return real_save(obj, f, *a, **k)
-            shutil.copyfileobj, torch.save = copy, save
-        """)
-    code = patch + f"from ls_fairseq.cli.train import cli_main\ncli_main({flags!r})\n"
+def _flags(data, save_dir, max_update):
+    return [data, "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3", "--criterion",
+            "ls_label_smoothed_cross_entropy", "--max-tokens", "500", "--cpu", "--num-workers", "0",
+            "--max-update", str(max_update), "--save-interval-updates", "4", "--no-epoch-checkpoints",
+            "--save-dir", str(save_dir), "--seed", "1", "--log-format", "simple", "--log-interval", "1"]
+
+
+def _train_killed(data, save_dir, max_update, kill):
+    """lightseq-train as a process of its own that dies (os._exit(9)) inside a save: ("copy", n) halfway through
+    the n-th checkpoint copy, ("write", n) halfway through writing the n-th checkpoint file itself."""
+    what, n = kill
+    patch = textwrap.dedent(f"""
+        import io, os, shutil, torch
+        n = {{"copy": 0, "write": 0}}
+        real_copy, real_save = shutil.copyfileobj, torch.save
+        def copy(fin, fout, length=0):
+            n["copy"] += 1
+            if n["copy"] == {n} and {what!r} == "copy":
+                fout.write(fin.read(1000)); fout.flush(); os._exit(9)
+            return real_copy(fin, fout, length)
+        def save(obj, f, *a, **k):
+            n["write"] += 1
+            if n["write"] == {n} and {what!r} == "write" and not isinstance(f, (str, os.PathLike)):
+                buf = io.BytesIO(); real_save(obj, buf, *a, **k)
+                f.write(buf.getvalue()[:len(buf.getvalue()) // 2]); f.flush(); os._exit(9)
+            return real_save(obj, f, *a, **k)
+        shutil.copyfileobj, torch.save = copy, save
+    """)
+    code = patch + f"from ls_fairseq.cli.train import cli_main\ncli_main({_flags(data, save_dir, max_update)!r})\n"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _train_again(data, save_dir, max_update):
+    """lightseq-train started again on the same --save-dir, in this process (what a restarted process runs
+    from its first line); what it logged, as lines."""
+    from tests._models import lightseq_train, log_lines
+
+    with log_lines() as lines:
+        lightseq_train(_flags(data, save_dir, max_update))
+    return "\n".join(lines)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill", [("copy", 1), ("copy", 3), ("write", 2), ("write", 3)])
-def test_lightseq_train_killed_inside_a_save_resumes_from_a_whole_checkpoint(tmp_path, kill):
+def test_lightseq_train_killed_inside_a_save_resumes_from_a_whole_checkpoint(toy_data, tmp_path, kill):
     """Killed at several points of the saves (inside the copy to checkpoint_last/best, inside the write of the
     numbered checkpoint), deterministically: the next run resumes from the last save that completed (or from
     the start when none had), and only the updates after it are lost."""
-    data = _toy_data(tmp_path)
     save = tmp_path / "ckpt"
-    res = _train(data, save, 20, kill=kill)
+    res = _train_killed(toy_data, save, 20, kill)
     first = res.stdout + res.stderr
     assert res.returncode == 9, first[-3000:]
     saved = re.findall(r"Saved checkpoint .*? @ (\d+) updates", first)
     last = save / "checkpoint_last.pt"
     assert not last.exists() or cf.readable(str(last))
-    res = _train(data, save, 20)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-3000:]
+    out = _train_again(toy_data, save, 20)
     assert "removed 1 temporary file" in out
     if saved:
         assert re.search(rf"Loaded checkpoint .*? @ {saved[-1]} updates", out), out[-3000:]

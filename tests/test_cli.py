@@ -161,10 +161,9 @@ def test_grouped_shuffling_is_fairseqs_under_the_plain_trainer(monkeypatch):
     assert args.grouped_shuffling and args.update_epoch_batch_itr  # fairseq's own default
 
 
-def test_grouped_shuffling_help_names_the_update_grouping():
-    out = subprocess.run([sys.executable, "-m", "ls_fairseq.cli.train", "--help"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=120).stdout
-    assert "shuffle whole updates" in " ".join(out.split())
+def test_grouped_shuffling_help_names_the_update_grouping(entry_point_help):
+    train_help = entry_point_help.split("OK ls_fairseq.cli.train")[0]
+    assert "shuffle whole updates" in " ".join(train_help.split())
 
 
 def test_explicit_tpu_is_kept(monkeypatch):
@@ -228,8 +227,10 @@ def test_fairseq_checkpoint_loads_with_torch_weights_only_default(tmp_path):
     assert loaded["cfg"].model.arch == "transformer_tiny"  # fairseq upgraded the Namespace
 
 
-def test_entry_points_run(tmp_path):
-    """The three console scripts start and show fairseq's help (subprocess: the real path)."""
+@pytest.fixture(scope="module")
+def entry_point_help(tmp_path_factory):
+    """The three console scripts' mains started in a fresh process with --help, one after the other (one
+    process for all: each would pay seconds for importing fairseq); its stdout."""
     code = (
         "import sys; from ls_fairseq.cli import train, generate, validate\n"
         "for m in (train, generate, validate):\n"
@@ -237,11 +238,16 @@ def test_entry_points_run(tmp_path):
         "        m.cli_main(['--help'])\n"
         "    except SystemExit as e:\n"
         "        assert e.code == 0, e.code\n"
-        "    print('OK', m.__name__)\n"
+        "    print('OK', m.__name__, flush=True)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path_factory.mktemp("help"), capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_entry_points_run(entry_point_help):
+    """The three console scripts start and show fairseq's help (subprocess: the real path)."""
     for name in ("train", "generate", "validate"):
-        assert f"OK ls_fairseq.cli.{name}" in out.stdout
-    assert "--beam" in out.stdout and "--required-batch-size-multiple" in out.stdout
+        assert f"OK ls_fairseq.cli.{name}" in entry_point_help
+    assert "--beam" in entry_point_help and "--required-batch-size-multiple" in entry_point_help

@@ -1,4 +1,8 @@
-"""lightseq-convert: native transformer <-> ls_transformer checkpoints, checked by generating."""
+"""lightseq-convert: native transformer <-> ls_transformer checkpoints, checked by generating.
+
+Training, converting and generating run in this process (each would pay seconds for importing fairseq
+in a process of its own); plain fairseq without the plugin runs as its own process, where ls_fairseq
+cannot be imported."""
 
 import os
 import random
@@ -9,46 +13,67 @@ import pytest
 import torch
 
 from ls_fairseq.cli import convert
-from tests._models import binarize, run_checked
+from tests._models import fairseq_main, fairseq_run, lightseq_train, preprocess, run_checked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the a house cat dog sees eats bread red car city old new book reads water child plays".split()
+N_TEST = 12
 
 
 @pytest.fixture(scope="module")
 def data_bin(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert_data")
     rng = random.Random(11)
-    for split, n in (("train", 200), ("valid", 20), ("test", 12)):
+    for split, n in (("train", 200), ("valid", 20), ("test", N_TEST)):
         src = [" ".join(rng.choices(WORDS, k=rng.randint(3, 8))) for _ in range(n)]
         (root / f"{split}.en").write_text("".join(s + "\n" for s in src))
         (root / f"{split}.de").write_text("".join(" ".join(reversed(s.split())) + "\n" for s in src))
-    return binarize(root)
+    from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
+
+    patch_checkpoint_loading()  # fairseq's own mains read checkpoints here too, as lightseq-* do
+    return preprocess(root, root / "bin", src="en", tgt="de")
 
 
-def _env():
-    # plain fairseq on torch >= 2.6 needs weights_only=False to read its own checkpoints
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-
-
-def _run(cmd, cwd, env=None):
-    return run_checked(cmd, cwd, env or _env(), timeout=300)
-
-
-def _train(cmd, arch, criterion, optimizer, data, save, cwd):
-    _run([cmd, data, "--arch", arch, "--share-all-embeddings", "--optimizer", optimizer, "--lr", "5e-3",
-          "--criterion", criterion, "--label-smoothing", "0.1", "--max-tokens", "1024", "--max-update", "6",
-          "--save-dir", save, "--no-progress-bar", "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "5"],
-         cwd)
+def _train(native, data, save):
+    flags = [data, "--arch", "transformer_tiny" if native else "ls_transformer_tiny", "--share-all-embeddings",
+             "--optimizer", "adam" if native else "ls_adam", "--lr", "5e-3", "--criterion",
+             "label_smoothed_cross_entropy" if native else "ls_label_smoothed_cross_entropy", "--label-smoothing",
+             "0.1", "--max-tokens", "1024", "--max-update", "6", "--save-dir", save, "--no-progress-bar",
+             "--no-epoch-checkpoints", "--num-workers", "0", "--seed", "5", "--cpu"]
+    if native:
+        fairseq_main("train", flags)  # plain fairseq-train: no --user-dir
+    else:
+        lightseq_train(flags)
     return os.path.join(save, "checkpoint_last.pt")
 
 
-def _hypotheses(cmd, data, path, cwd, env=None):
-    out = _run([cmd, data, "--path", path, "--beam", "3", "--max-tokens", "2000",
-                "--required-batch-size-multiple", "1"], cwd, env)
-    hyps = dict(re.findall(r"^H-(\d+)\t\S+\t(.*)$", out, flags=re.M))
-    assert len(hyps) == 12, out[-3000:]
+# no data-loading worker process: ending one costs seconds (torch waits for it), and a run is a few batches
+_GENERATE = ["--beam", "3", "--max-tokens", "2000", "--required-batch-size-multiple", "1", "--num-workers", "0"]
+
+
+def _read_hypotheses(text):
+    hyps = dict(re.findall(r"^H-(\d+)\t\S+\t(.*)$", text, flags=re.M))
+    assert len(hyps) == N_TEST, text[-3000:]
     return hyps
+
+
+def _hypotheses(native, data, path, out):
+    """fairseq-generate (``native``) or lightseq-generate, in this process, of the test split."""
+    from ls_fairseq.cli import generate
+
+    flags = [data, "--path", path, *_GENERATE, "--cpu", "--results-path", str(out)]
+    if native:
+        fairseq_main("generate", flags)
+    else:
+        generate.cli_main(flags)
+    with open(os.path.join(str(out), "generate-test.txt"), encoding="utf-8") as f:
+        return _read_hypotheses(f.read())
+
+
+def _convert(src, dst, to):
+    """lightseq-convert in this process."""
+    with fairseq_run():  # its logging setup is undone afterwards
+        assert convert.cli_main([src, dst, "--to", to]) == 0
 
 
 def test_convert_state_rewrites_names():
@@ -91,37 +116,43 @@ def test_cli_errors(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_native_to_ls_and_back(data_bin, tmp_path):
-    native = _train("fairseq-train", "transformer_tiny", "label_smoothed_cross_entropy", "adam", data_bin,
-                    str(tmp_path / "native"), tmp_path)
-    ref = _hypotheses("fairseq-generate", data_bin, native, tmp_path)
+    native = _train(True, data_bin, str(tmp_path / "native"))
+    ref = _hypotheses(True, data_bin, native, tmp_path / "gen_native")
 
     ls = str(tmp_path / "as_ls.pt")
-    _run(["lightseq-convert", native, ls, "--to", "ls"], tmp_path)
+    _convert(native, ls, "ls")
     state = torch.load(ls, weights_only=False)
     assert state["cfg"]["model"].arch == "ls_transformer_tiny"
-    assert _hypotheses("lightseq-generate", data_bin, ls, tmp_path) == ref
+    assert _hypotheses(False, data_bin, ls, tmp_path / "gen_ls") == ref
 
     back = str(tmp_path / "back.pt")
-    _run(["lightseq-convert", ls, back, "--to", "native"], tmp_path)
+    _convert(ls, back, "native")
     a, b = torch.load(native, weights_only=False)["model"], torch.load(back, weights_only=False)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _hypotheses("fairseq-generate", data_bin, back, tmp_path) == ref
+    assert _hypotheses(True, data_bin, back, tmp_path / "gen_back") == ref
+
+
+def _plain_fairseq_generate(data, path, cwd, env):
+    """fairseq-generate as its own process, where ls_fairseq cannot be imported."""
+    out = run_checked(["fairseq-generate", data, "--path", path, *_GENERATE], cwd, env, timeout=300)
+    return _read_hypotheses(out)
 
 
 @pytest.mark.slow
 def test_ls_checkpoint_loads_in_plain_fairseq(data_bin, tmp_path):
-    ls = _train("lightseq-train", "ls_transformer_tiny", "ls_label_smoothed_cross_entropy", "ls_adam", data_bin,
-                str(tmp_path / "ls"), tmp_path)
-    ref = _hypotheses("lightseq-generate", data_bin, ls, tmp_path)
+    ls = _train(False, data_bin, str(tmp_path / "ls"))
+    ref = _hypotheses(False, data_bin, ls, tmp_path / "gen_ls")
     native = str(tmp_path / "native.pt")
-    _run(["lightseq-convert", ls, native, "--to", "native"], tmp_path)
+    _convert(ls, native, "native")
     # no --user-dir, and ls_fairseq made unimportable: plain fairseq alone must load it
     blocker = tmp_path / "blocker" / "ls_fairseq"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('ls_fairseq must not be imported here')\n")
-    env = dict(_env(), PYTHONPATH=str(blocker.parent))
-    out = _hypotheses("fairseq-generate", data_bin, native, tmp_path, env=env)
+    # plain fairseq on torch >= 2.6 needs weights_only=False to read its own checkpoints
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1",
+               PYTHONPATH=str(blocker.parent))
+    out = _plain_fairseq_generate(data_bin, native, tmp_path, env)
     assert out == ref
     # the blocker works: the unconverted ls checkpoint does not load there
     with pytest.raises(AssertionError, match="build_model"):  # fairseq cannot build ls_transformer_tiny
-        _hypotheses("fairseq-generate", data_bin, ls, tmp_path, env=env)
+        _plain_fairseq_generate(data_bin, ls, tmp_path, env)

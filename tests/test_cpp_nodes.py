@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _models import build_cpu_nodes_module
+from _cpu_builds import cached_cpu_extension
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+def nodes(cpu_builds):
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler to build the nodes with")
-    build = str(tmp_path_factory.mktemp("cpp_nodes_build"))
-    # -O0 for build speed; the wiring is what is tested
-    return build_cpu_nodes_module("ls_fairseq_cpp_nodes_test", build, extra_cflags=["-O0"])
+    # built once (at -O0: the wiring is what is tested), then cached while the sources stay the same
+    module, _ = cached_cpu_extension("ls_fairseq_cpp_nodes_test")
+    return module
 
 
 def _leaves(*ts):

@@ -14,7 +14,8 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install
 from omegaconf import OmegaConf  # noqa: E402
 
 from ls_fairseq.cli import deepspeed_train  # noqa: E402
-from tests._models import binarize, free_port, run_checked  # noqa: E402
+from tests._models import (fairseq_run, free_port, inner_by_update, lightseq_train, preprocess,  # noqa: E402
+                           run_checked)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIG = os.path.join(ROOT, "configs", "deepspeed", "ds_cpu_fp32.json")
@@ -40,7 +41,7 @@ def data_bin(tmp_path_factory):
         pairs = [sample.sentence_pair(rng) for _ in range(n)]
         (root / f"{split}.en").write_text("".join(e + "\n" for e, _ in pairs))
         (root / f"{split}.de").write_text("".join(d + "\n" for _, d in pairs))
-    return binarize(root)
+    return preprocess(root, root / "bin", src="en", tgt="de")
 
 
 def _env():
@@ -128,12 +129,15 @@ def test_same_updates_as_lightseq_train(data_bin, tmp_path):
     extra = ["--dropout", "0", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--update-freq", "2"]
     ds = _run([sys.executable, "-m", "ls_fairseq.cli.deepspeed_train",
                *_train_args(data_bin, str(tmp_path / "ds"), 3, extra), "--deepspeed_config", CPU_CONFIG], tmp_path)
-    fs = _run(["lightseq-train", *_train_args(data_bin, str(tmp_path / "fs"), 3, extra)], tmp_path)
-    assert len(_inner(ds, "loss")) == 3 and len(_inner(fs, "loss")) == 3
+    # lightseq-train in this process (on the CPU, as the DeepSpeed run), its records as the log prints them
+    records = inner_by_update(lightseq_train([*_train_args(data_bin, str(tmp_path / "fs"), 3, extra), "--cpu",
+                                              "--log-format", "json"]))
+    fs = {key: [float(records[u][key]) for u in sorted(records)] for key in ("loss", "gnorm", "lr")}
+    assert len(_inner(ds, "loss")) == 3 and len(fs["loss"]) == 3
     for key in ("loss", "gnorm"):
-        a, b = _inner(ds, key)[:2], _inner(fs, key)[:2]
+        a, b = _inner(ds, key)[:2], fs[key][:2]
         assert a == pytest.approx(b, rel=2e-3), (key, a, b)
-    assert _inner(ds, "lr") == pytest.approx(_inner(fs, "lr"))
+    assert _inner(ds, "lr") == pytest.approx(fs["lr"])
 
 
 @pytest.mark.slow
@@ -164,13 +168,19 @@ def test_launcher_trains_resumes_and_generates(data_bin, tmp_path):
     assert state["cfg"]["model"].arch == "ls_transformer_tiny"  # fairseq keeps the model cfg as a Namespace
     assert state["optimizer_history"][-1]["num_updates"] == 14
 
-    gen = _run(["lightseq-generate", data_bin, "--path", os.path.join(save, "checkpoint_best.pt"), "--beam", "4",
-                "--max-tokens", "2000"], tmp_path)
-    assert "Translated 20 sentences" in gen and "BLEU4" in gen
+    # lightseq-generate in this process; no data-loading worker (torch waits seconds for one to end)
+    from ls_fairseq.cli import generate
+
+    with fairseq_run():
+        generate.cli_main([data_bin, "--path", os.path.join(save, "checkpoint_best.pt"), "--beam", "4",
+                           "--max-tokens", "2000", "--num-workers", "0", "--cpu", "--results-path",
+                           str(tmp_path / "gen")])
+    gen = (tmp_path / "gen" / "generate-test.txt").read_text()
+    assert sum(line.startswith("H-") for line in gen.splitlines()) == 20 and "BLEU4" in gen
     env = dict(_env(), TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")  # plain fairseq on torch >= 2.6
     gen = _run(["fairseq-generate", data_bin, "--user-dir", os.path.join(ROOT, "user_dir"), "--path",
                 os.path.join(save, "checkpoint_last.pt"), "--beam", "4", "--max-tokens", "2000",
-                "--required-batch-size-multiple", "1"], tmp_path, env=env)
+                "--required-batch-size-multiple", "1", "--num-workers", "0"], tmp_path, env=env)
     assert "Translated 20 sentences" in gen
 
 

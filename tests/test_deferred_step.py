@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from test_end_to_end import _params, data_bin, inner_by_update, train  # noqa: F401  (fixture)
+from test_end_to_end import _params, inner_by_update, train
 
 OVERFLOW = "gradient overflow detected"
 
@@ -59,7 +59,7 @@ def _compare(data, tmp_path, monkeypatch, flags, keys):
 
 
 @pytest.mark.slow
-def test_fp16_deferred_step_matches_fairseqs_step_through_overflows(data_bin, tmp_path, monkeypatch):  # noqa: F811
+def test_fp16_deferred_step_matches_fairseqs_step_through_overflows(data_bin, tmp_path, monkeypatch):
     # fairseq's own overflow branch calls .cuda() on a new tensor, which fails on a CPU-only build
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     flags = ["--max-update", "9", "--fp16", "--fp16-init-scale", str(2 ** 22), "--fp16-scale-window", "2",
@@ -71,7 +71,7 @@ def test_fp16_deferred_step_matches_fairseqs_step_through_overflows(data_bin, tm
 
 
 @pytest.mark.slow
-def test_fp32_deferred_step_with_clipping_and_dropout_matches(data_bin, tmp_path, monkeypatch):  # noqa: F811
+def test_fp32_deferred_step_with_clipping_and_dropout_matches(data_bin, tmp_path, monkeypatch):
     """No overflow without a loss scaler: the dropout seeds agree too, dropout stays on."""
     flags = ["--max-update", "8", "--clip-norm", "0.1", "--log-interval", "4"]
     records, _, _ = _compare(data_bin, tmp_path, monkeypatch, flags,
@@ -105,7 +105,7 @@ def test_scale_candidates_follow_fairseqs_loss_scaler():
 
 
 @pytest.mark.slow
-def test_checkpoints_between_log_lines_hold_the_settled_state(data_bin, tmp_path, monkeypatch):  # noqa: F811
+def test_checkpoints_between_log_lines_hold_the_settled_state(data_bin, tmp_path, monkeypatch):
     """With --log-interval above the run length nothing is settled for logging; the checkpoints that
     --save-interval-updates writes still carry fairseq's exact update count and weights, and the last
     checkpoint its loss scale too. (When the update after a save point overflows, fairseq's loop sees
@@ -133,7 +133,7 @@ def test_checkpoints_between_log_lines_hold_the_settled_state(data_bin, tmp_path
 
 
 @pytest.mark.slow
-def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):  # noqa: F811
+def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):
     """Two gloo ranks: the deferred step (statistics summed on the device, read back with the
     update's outcome when it is settled) logs what fairseq's step body logs and ends with the
     same weights, with clipping active. (fp32: fairseq's own fp16 overflow branch needs a CUDA
@@ -208,36 +208,36 @@ def test_summed_statistics_are_read_back_as_host_numbers():
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks, precision):  # noqa: F811
+def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks, precision):
     """Inside train_step, neither fairseq's trainer and meters nor LSTrainer read a tensor's value on
     the host (on a GPU each read waits for the device), apart from the settled update's pinned copy.
     Two ranks once read the summed statistics' weights in fairseq's meters 8 times per update."""
     import json
-    import subprocess
     import sys
 
     from _models import lightseq_train_two_ranks
     from test_end_to_end import ROOT, TRAIN_FLAGS
 
-    script = os.path.join(ROOT, "tests", "_host_reads.py")
     flags = [*TRAIN_FLAGS, *precision, "--max-update", "12", "--clip-norm", "0.1", "--log-interval", "2",
              "--disable-validation", "--no-save"]
-    out = tmp_path / "reads.json"
-    if ranks == 1:
-        res = subprocess.run([sys.executable, script, str(out), data_bin, "--save-dir", str(tmp_path), *flags],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    else:
+    if ranks == 1:  # in this process
+        from _host_reads import counting_host_reads
+        from _models import lightseq_train
+
+        with counting_host_reads(on_cpu=True) as reads:
+            lightseq_train([data_bin, "--save-dir", str(tmp_path), *flags])
+        counted = reads()
+    else:  # two processes, each counting its own (tests/_host_reads.py as a script)
+        script = os.path.join(ROOT, "tests", "_host_reads.py")
         lightseq_train_two_ranks(data_bin, tmp_path, tmp_path, flags,
                                  runner=lambda r: [sys.executable, script, str(tmp_path / f"reads{r}.json")])
-        out = tmp_path / "reads0.json"
-    counted = json.loads(out.read_text())
+        counted = json.loads((tmp_path / "reads0.json").read_text())
     assert counted["steps"] >= 10
     assert counted["reads"] == {}
 
 
 @pytest.mark.slow
-def test_a_run_of_overflows_stops_training_with_the_reason(data_bin, tmp_path, monkeypatch):  # noqa: F811
+def test_a_run_of_overflows_stops_training_with_the_reason(data_bin, tmp_path, monkeypatch):
     """From a loss scale of 2**22 the first updates all overflow: with the streak limit at 4 training stops
     on the fourth, with the reason, instead of going on."""
     from ls_fairseq.fairseq_ext import pending_update

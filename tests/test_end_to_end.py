@@ -3,24 +3,23 @@ fairseq-preprocess -> lightseq-train (ls_transformer_tiny, ls_adam, ls criterion
 lightseq-validate -> lightseq-generate --beam 4, plus plain fairseq-generate --user-dir.
 
 The lightseq mains run in-process (fairseq's import costs seconds per subprocess); only the
-plain fairseq-generate check runs the installed console script.
+plain fairseq-generate check runs the installed console script. Every run reads its data without a
+worker process (--num-workers 0): torch waits seconds for one to end.
 """
 
-import contextlib
 import importlib.util
-import json
-import logging
 import math
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from _models import TOY_CORPUS, fairseq_run, inner_by_update, lightseq_train
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-N_TEST = 37  # not a multiple of fairseq's default --required-batch-size-multiple (8)
+N_TEST = TOY_CORPUS["n_test"]  # not a multiple of fairseq's default --required-batch-size-multiple (8)
 
 TRAIN_FLAGS = [
     "--arch", "ls_transformer_tiny", "--share-all-embeddings",
@@ -39,69 +38,12 @@ def _load_corpus_module():
     return mod
 
 
-class _JsonRecords(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.items = []
-
-    def emit(self, record):
-        try:
-            self.items.append((record.name, json.loads(record.getMessage())))
-        except ValueError:
-            pass
-
-
-@contextlib.contextmanager
-def fairseq_run():
-    """Collect fairseq's json progress records; restore sys.argv and the root handlers."""
-    lg = logging.getLogger("fairseq.logging.progress_bar")
-    handler, level = _JsonRecords(), lg.level
-    lg.setLevel(logging.INFO)
-    lg.addHandler(handler)
-    argv, root_handlers = list(sys.argv), list(logging.root.handlers)
-    try:
-        yield handler.items
-    finally:
-        lg.removeHandler(handler)
-        lg.setLevel(level)
-        sys.argv = argv
-        for h in list(logging.root.handlers):
-            if h not in root_handlers:
-                logging.root.removeHandler(h)
-
-
 def train(data, save_dir, *extra):
-    """Run lightseq-train in-process; {num_updates: train_inner record}."""
-    from ls_fairseq.cli import train as lightseq_train
-
-    with fairseq_run() as records:
-        lightseq_train.cli_main([data, "--save-dir", save_dir] + TRAIN_FLAGS + list(extra))
-    return records
+    """Run lightseq-train in-process; its json progress records (_models.inner_by_update: by update)."""
+    return lightseq_train([data, "--save-dir", save_dir] + TRAIN_FLAGS + list(extra))
 
 
-def inner_by_update(records):
-    return {int(r["num_updates"]): r for name, r in records if name == "train_inner"}
-
-
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    from fairseq import options
-    from fairseq_cli import preprocess
-
-    work = tmp_path_factory.mktemp("e2e")
-    raw, out = str(work / "raw"), str(work / "data-bin")
-    _load_corpus_module().make_corpus(raw, n_train=240, n_valid=32, n_test=N_TEST, seed=5)
-    args = options.get_preprocessing_parser().parse_args([
-        "--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary", "--workers", "1",
-        "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
-        "--destdir", out,
-    ])
-    with fairseq_run():
-        preprocess.main(args)
-    assert os.path.isfile(os.path.join(out, "test.src-tgt.tgt.bin"))
-    return out
-
-
+# data_bin: the session's toy data-bin (tests/conftest.py)
 @pytest.fixture(scope="module")
 def straight_run(data_bin, tmp_path_factory):
     """8 updates without interruption (crosses an epoch boundary at ~6 updates)."""
@@ -175,7 +117,7 @@ def test_validate_reproduces_the_training_validation_loss(data_bin, straight_run
     assert valid, "training logged no validation"
     with fairseq_run() as out:
         validate.cli_main([data_bin, "--path", os.path.join(save, "checkpoint_last.pt"),
-                           "--valid-subset", "valid", "--max-tokens", "400", "--cpu",
+                           "--valid-subset", "valid", "--max-tokens", "400", "--cpu", "--num-workers", "0",
                            "--log-format", "json"])
     scored = [r for name, r in out if name == "valid"]
     assert len(scored) == 1
@@ -194,7 +136,7 @@ def test_generate_beam4_translates_every_sentence(data_bin, straight_run, tmp_pa
 
     save, _ = straight_run
     flags = [data_bin, "--path", os.path.join(save, "checkpoint_last.pt"), "--beam", "4",
-             "--batch-size", "10", "--cpu", "--gen-subset", "test"]
+             "--batch-size", "10", "--cpu", "--gen-subset", "test", "--num-workers", "0"]
     with fairseq_run():
         generate.cli_main(flags + ["--results-path", str(tmp_path / "all")])
     hyps = _hypotheses(tmp_path / "all" / "generate-test.txt")
@@ -215,7 +157,7 @@ def test_plain_fairseq_generate_loads_an_ls_checkpoint(data_bin, straight_run, t
     out = subprocess.run(
         [exe, data_bin, "--path", os.path.join(save, "checkpoint_last.pt"),
          "--user-dir", os.path.join(ROOT, "user_dir"), "--beam", "4", "--batch-size", "16",
-         "--required-batch-size-multiple", "1", "--cpu", "--gen-subset", "test"],
+         "--required-batch-size-multiple", "1", "--cpu", "--gen-subset", "test", "--num-workers", "0"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]

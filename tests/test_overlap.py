@@ -19,34 +19,21 @@ import torch.distributed as dist
 from ls_fairseq.optim.overlap import bucket_order, plan_buckets
 from ls_fairseq.optim.workspace import FlatWorkspace
 
+from _cpu_builds import cached_cpu_extension
 from _models import save_rank_result, two_rank_results
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MODULE = "ls_fairseq_grad_buckets_test"
 _DIR_ENV = "LS_FAIRSEQ_TEST_GRAD_BUCKETS_DIR"  # where a two-rank worker finds the built module
 _PYTHON_HOOKS = "python"  # ... or this: use the Python hooks
 
 
 @pytest.fixture(scope="module")
-def grad_buckets_dir(tmp_path_factory):
-    """csrc/torch/grad_buckets.cpp built as a module of its own; its folder."""
+def grad_buckets_dir(cpu_builds):
+    """csrc/torch/grad_buckets.cpp built as a module of its own (once, then cached while the sources stay
+    the same); its folder."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler to build the C++ hooks with")
-    from torch.utils import cpp_extension
-
-    from ls_fairseq._build_flags import cxx_flags, host_compiler_env
-
-    os.environ.update(host_compiler_env())
-    build = str(tmp_path_factory.mktemp("grad_buckets_build"))
-    cpp_extension.load(
-        name=_MODULE,
-        sources=[os.path.join(ROOT, "tests", "cpp", "grad_buckets_module.cpp"),
-                 os.path.join(ROOT, "csrc", "torch", "grad_buckets.cpp")],
-        extra_include_paths=[os.path.join(ROOT, "csrc")],
-        extra_cflags=cxx_flags(),
-        build_directory=build,
-        verbose=False,
-    )
+    _, build = cached_cpu_extension(_MODULE)
     return build
 
 

@@ -252,10 +252,10 @@ def test_peer_writes_store_exactly_the_owned_parts_on_two_ranks(tmp_path):
 
 
 # --------------------------------------------------------------------------- lightseq-train, two gloo ranks
-from test_end_to_end import data_bin, inner_by_update, train  # noqa: E402,F401  (fixture)
+from test_end_to_end import inner_by_update, train  # noqa: E402
 
 
-def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, tmp_path):  # noqa: F811
+def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, tmp_path):
     """lightseq-train on two gloo ranks with the optimizer state sharded (``LS_FAIRSEQ_SHARD_ADAM=1``),
     with the default (``p2p``: gloo has no peer writes, so the whole state) and with the whole state on
     every rank (``=0``): no clipping, so the updates agree bit for bit, and so do the checkpoints (the

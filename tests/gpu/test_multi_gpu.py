@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests._models import assert_same_checkpoint_state, lightseq_train_two_ranks, run_checked, train_inner_records
-from tests.test_end_to_end import ROOT, TRAIN_FLAGS, _params, data_bin  # noqa: F401  (fixture)
+from tests.test_end_to_end import ROOT, TRAIN_FLAGS, _params
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +53,7 @@ def _assert_same_updates(a, b, keys):
 
 
 @pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
-def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_path, precision):  # noqa: F811
+def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_path, precision):
     from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
 
     _need_two_gpus()
@@ -80,7 +80,7 @@ def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_p
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("peer", ["peer_writes", "all_gathers", "default"])
-def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, precision, peer):  # noqa: F811
+def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, precision, peer):
     """NCCL's in-place reduce-scatter, then the new weights reach the other GPU either through the
     update kernel's own stores into it (symmetric memory, the default on two GPUs) or through
     all-gathers (``LS_FAIRSEQ_SHARD_P2P=0``): the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or the
@@ -110,7 +110,7 @@ def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, pre
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("gpus", [1, 2])
-def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, precision):  # noqa: F811
+def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, precision):
     script = os.path.join(ROOT, "tests", "_host_reads.py")
     flags = [*GPU_FLAGS, *precision, "--max-update", "12", "--clip-norm", "0.1", "--log-interval", "2",
              "--disable-validation", "--no-save"]
@@ -127,7 +127,7 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, 
 
 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
-def test_peer_copies_take_the_updates_of_nccl_reduce_scatter(data_bin, tmp_path, precision):  # noqa: F811
+def test_peer_copies_take_the_updates_of_nccl_reduce_scatter(data_bin, tmp_path, precision):
     """On two GPUs of one host the sharded reduction copies each complete bucket's other part into the
     other GPU's inbox by a copy engine (the default); ``LS_FAIRSEQ_PEER_REDUCE=0`` reduce-scatters with
     NCCL instead. One addition of two numbers per element either way: the same updates bit for bit
