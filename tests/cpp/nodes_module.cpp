@@ -23,11 +23,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_linear", &ag_linear, py::arg("x"), py::arg("weight"), py::arg("bias") = none);
   m.def("encoder_layer_fwd", &encoder_layer_fwd, py::arg("x"), py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"),
         py::arg("num_heads"), py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"));
+        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0);
   m.def("decoder_layer_fwd", &decoder_layer_fwd, py::arg("x"), py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
         py::arg("self_attn_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
         py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"));
+        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"),
+        py::arg("fp8") = 0);
   m.def("layer_norm_fwd", &layer_norm_fwd);
   m.def("layer_norm_bwd", &layer_norm_bwd);
   m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd);

@@ -56,4 +56,9 @@ std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, cons
   Tensor db = need_dbias ? dx.reshape({-1, n * H * D}).sum(0) : at::empty({0}, ref.options());
   return {dx, db};
 }
+// The FP8 linear node needs CUDA (csrc/torch/fp8.cpp): here only the plain linear node is reachable.
+Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t fp8) {
+  LS_CHECK(fp8 == 0, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+  return ag_linear(x, weight, bias);
+}
 }  // namespace ls_torch
