@@ -157,7 +157,7 @@ if [[ "$TORCH_BEFORE" != "$TORCH_AFTER" ]]; then
   exit 1
 fi
 done_step "ls_fairseq $(dist_version ls_fairseq)"
-(cd / && "$PY" -m ls_fairseq.info 2>/dev/null | sed -n '1,4p') || true
+(cd / && "$PY" -m ls_fairseq.info 2>/dev/null | sed -n '1,6p') || true
 log "done in $((SECONDS - T0)) s (check the install any time with: $PY -m ls_fairseq.info)"
 
 # 5. what was asked for
