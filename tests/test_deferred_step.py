@@ -11,18 +11,10 @@ import os
 import pytest
 import torch
 
+from _models import _Lines
 from test_end_to_end import _params, inner_by_update, train
 
 OVERFLOW = "gradient overflow detected"
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def _run(data, save, sync, monkeypatch, *flags):

@@ -1,5 +1,11 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)
@@ -10,3 +16,12 @@ def _needs_kernels():
         pytest.skip("no CUDA GPU")
     if _ext.get() is None:
         pytest.fail(f"ls_fairseq._C is not available on a CUDA machine: {_ext.reason()}")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small WMT-shaped data-bin (4,000 pairs, a 2,000-word vocabulary) for the GPU tests' lightseq-train runs."""
+    out = tmp_path_factory.mktemp("wmt_corpus")
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "make_wmt_synth.py"), str(out), "--pairs",
+                    "4000", "--valid-pairs", "100", "--vocab", "2000"], check=True, capture_output=True)
+    return str(out)

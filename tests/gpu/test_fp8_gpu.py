@@ -171,14 +171,6 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(mode, monkeypatch):
         assert torch.equal(enc(x), enc0(x))
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp8_corpus")
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "make_wmt_synth.py"), str(out), "--pairs",
-                    "4000", "--valid-pairs", "100", "--vocab", "2000"], check=True, capture_output=True)
-    return str(out)
-
-
 def test_lightseq_train_fp8_with_graph_step(corpus, tmp_path):
     from tests._models import train_inner_records
 

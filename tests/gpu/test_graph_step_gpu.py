@@ -15,14 +15,6 @@ pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("graph_corpus")
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "make_wmt_synth.py"), str(out), "--pairs",
-                    "4000", "--valid-pairs", "100", "--vocab", "2000"], check=True, capture_output=True)
-    return str(out)
-
-
 def _train(corpus, tmp_path, name, *flags, updates=200, dropout=0.0, seed=1):
     save = tmp_path / name
     cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, "--arch", "ls_transformer_wmt_en_de",
