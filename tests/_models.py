@@ -13,6 +13,16 @@ import types
 import torch
 
 
+# lightseq-train flags of the small transformer the GPU tests train on a WMT-shaped corpus
+SMALL_LS_TRAIN = ["--arch", "ls_transformer_wmt_en_de", "--encoder-layers", "2", "--decoder-layers", "2",
+                  "--encoder-embed-dim", "256", "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
+                  "--decoder-ffn-embed-dim", "1024", "--encoder-attention-heads", "4",
+                  "--decoder-attention-heads", "4", "--share-all-embeddings", "--optimizer", "ls_adam",
+                  "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
+                  "--warmup-updates", "50", "--criterion", "ls_label_smoothed_cross_entropy",
+                  "--label-smoothing", "0.1"]
+
+
 def make_dict(n_words: int = 50):
     """A fairseq Dictionary of ``n_words`` words. (fairseq is imported where needed: the two-rank workers
     import this module, and those that do not use fairseq start faster without it.)"""

@@ -172,15 +172,9 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(mode, monkeypatch):
 
 
 def test_lightseq_train_fp8_with_graph_step(corpus, tmp_path):
-    from tests._models import train_inner_records
+    from tests._models import SMALL_LS_TRAIN, train_inner_records
 
-    cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, "--arch", "ls_transformer_wmt_en_de",
-           "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "256",
-           "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
-           "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--share-all-embeddings",
-           "--optimizer", "ls_adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler",
-           "inverse_sqrt", "--warmup-updates", "50", "--criterion", "ls_label_smoothed_cross_entropy",
-           "--label-smoothing", "0.1", "--max-tokens", "2048", "--max-update", "150", "--seed", "1",
+    cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, *SMALL_LS_TRAIN, "--max-tokens", "2048", "--max-update", "150", "--seed", "1",
            "--log-format", "json", "--log-interval", "1", "--num-workers", "1", "--save-dir", str(tmp_path / "ck"),
            "--ls-graph-buckets", "12", "--bf16", "--fp8"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests._models import train_inner_records
+from tests._models import SMALL_LS_TRAIN, train_inner_records
 
 pytestmark = pytest.mark.gpu
 
@@ -17,13 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _train(corpus, tmp_path, name, *flags, updates=200, dropout=0.0, seed=1):
     save = tmp_path / name
-    cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, "--arch", "ls_transformer_wmt_en_de",
-           "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "256",
-           "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
-           "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--share-all-embeddings",
-           "--optimizer", "ls_adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler",
-           "inverse_sqrt", "--warmup-updates", "50", "--criterion", "ls_label_smoothed_cross_entropy",
-           "--label-smoothing", "0.1", "--dropout", str(dropout), "--attention-dropout", str(dropout),
+    cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, *SMALL_LS_TRAIN, "--dropout", str(dropout), "--attention-dropout", str(dropout),
            "--max-tokens", "2048", "--max-update", str(updates), "--seed", str(seed), "--no-save",
            "--disable-validation", "--log-format", "json", "--log-interval", "1", "--num-workers", "1",
            "--save-dir", str(save), "--ls-graph-buckets", "12", *flags]
