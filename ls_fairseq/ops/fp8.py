@@ -21,7 +21,6 @@ Numerics (csrc/kernels/fp8.cu holds the kernel, this file the same rule in plain
 """
 
 import torch
-import torch.nn.functional as F
 
 from ls_fairseq import _ext
 
@@ -61,15 +60,6 @@ def fp8_quantize_reference(x: torch.Tensor, fmt: int):
     amax = xf.abs().max() if xf.numel() else torch.zeros((), device=x.device)
     s = fp8_scale_reference(amax, fmt)
     return (xf * s).to(FP8_DTYPES[fmt]), 1.0 / s
-
-
-def fp8_quantize(x: torch.Tensor, fmt: int):
-    """The kernel on CUDA (``x`` contiguous, fp32/fp16/bf16), the reference elsewhere."""
-    mod = _ext.get()
-    if x.is_cuda and mod is not None and hasattr(mod, "fp8_quantize"):
-        q, s = mod.fp8_quantize(x.contiguous(), fmt)
-        return q, s
-    return fp8_quantize_reference(x, fmt)
 
 
 def _dequantize(q, scale_inv):
