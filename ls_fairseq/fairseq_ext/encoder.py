@@ -33,8 +33,7 @@ class LSTransformerEncoder(FairseqEncoder):
         ])
         self.num_layers = len(self.layers)
         self.layer_norm = LayerNorm(C) if cfg.encoder.normalize_before else None
-        self.fp8_mode = 0  # set by the model (fp8_mode.set_fp8_mode); checked against the device once
-        self.fp8_checked = False
+        self.fp8_checked = False  # --fp8 (the layers' mode, fp8_mode.set_fp8_mode) checked against the device
         self._register_state_dict_hook(_save_hook)
         self.register_load_state_dict_pre_hook(_load_hook)
 
@@ -59,8 +58,9 @@ class LSTransformerEncoder(FairseqEncoder):
         does); without it the encoder tests the tokens on the GPU, which makes the host wait."""
         if token_embeddings is not None:
             raise ValueError("ls_transformer does not accept precomputed token_embeddings")
-        if self.training and self.fp8_mode and not self.fp8_checked:
-            check_fp8_device(self.embed_tokens.weight)
+        if self.training and not self.fp8_checked:
+            if any(layer.fp8 for layer in self.layers):
+                check_fp8_device(self.embed_tokens.weight)
             self.fp8_checked = True
         T = src_tokens.shape[1]
         if T > self.max_positions():

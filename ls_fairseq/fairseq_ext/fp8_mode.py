@@ -33,9 +33,6 @@ def set_fp8_mode(model, args) -> int:
     for m in model.modules():
         if isinstance(m, (EncoderLayer, SelfAttention, CrossAttention, BatchedCrossKV)):
             m.fp8 = mode
-    encoder = getattr(model, "encoder", None)
-    if encoder is not None and hasattr(encoder, "fp8_mode"):
-        encoder.fp8_mode = mode
     return mode
 
 

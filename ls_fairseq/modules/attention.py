@@ -29,6 +29,12 @@ def linear_bias_init_(b, fan_in: int):
         b.uniform_(-bound, bound)
 
 
+def fp8_now(module) -> int:
+    """The FP8 mode ``module``'s projections use now (ls_fairseq/ops/fp8.py): its ``fp8`` while it trains, 0 in
+    evaluation (validation and generation run in the model's own precision)."""
+    return module.fp8 if module.training else 0
+
+
 def check_heads(embed_dim: int, num_heads: int, what: str):
     if num_heads < 1 or embed_dim % num_heads != 0:
         raise ValueError(
@@ -65,7 +71,7 @@ class SelfAttention(nn.Module):
         ``cache`` (incremental decoding): holds prev_key / prev_value [B, H, t, D]; new keys
         and values are appended and stored back.
         """
-        fp8 = self.fp8 if self.training else 0
+        fp8 = fp8_now(self)
         qkv = ops.linear(x, self.in_proj_weight, fp8=fp8)
         q, k, v = ops.qkv_split(qkv, self.in_proj_bias, self.num_heads)
         if cache is not None:
@@ -95,7 +101,7 @@ class CrossAttention(nn.Module):
     def forward(self, x, k, v, key_padding_mask=None):
         """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]."""
         B, T, C = x.shape
-        fp8 = self.fp8 if self.training else 0
+        fp8 = fp8_now(self)
         q = ops.linear(x, self.q_proj.weight, self.q_proj.bias, fp8=fp8)
         q = q.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
-from ls_fairseq.modules.attention import CrossAttention, SelfAttention, check_heads, linear_bias_init_, xavier_block_
+from ls_fairseq.modules.attention import (CrossAttention, SelfAttention, check_heads, fp8_now, linear_bias_init_,
+                                          xavier_block_)
 from ls_fairseq.modules.encoder_layer import EncoderLayer, _attention_p
 from ls_fairseq.modules.layer_norm import LayerNorm
 
@@ -36,7 +37,7 @@ class BatchedCrossKV(nn.Module):
 
     def forward(self, encoder_out) -> List[torch.Tensor]:
         """encoder_out [B, S, C] -> [k_0, v_0, k_1, v_1, ...], each [B, H, S, D]."""
-        kv = ops.linear(encoder_out, self.weight, fp8=self.fp8 if self.training else 0)
+        kv = ops.linear(encoder_out, self.weight, fp8=fp8_now(self))
         return list(ops.split_heads(kv, self.bias, 2 * self.num_layers, self.num_heads))
 
 

@@ -9,7 +9,7 @@ import importlib
 import torch.nn as nn
 
 from ls_fairseq import ops
-from ls_fairseq.modules.attention import SelfAttention
+from ls_fairseq.modules.attention import SelfAttention, fp8_now
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.ops._checks import check_activation, check_dropout
 from ls_fairseq.ops._dispatch import cpp_layers
@@ -63,7 +63,7 @@ class EncoderLayer(nn.Module):
     def cpp_args(self):
         """The C++ layer call's arguments after its inputs and masks (csrc/torch/layers.cpp)."""
         return (self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
-                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, self.fp8_mode())
+                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, fp8_now(self))
 
     def cpp_weights(self):
         """The weights in the order csrc/torch/layers.cpp takes them."""
@@ -71,11 +71,6 @@ class EncoderLayer(nn.Module):
         return [self.self_attn_layer_norm.weight, self.self_attn_layer_norm.bias, a.in_proj_weight, a.in_proj_bias,
                 a.out_proj.weight, a.out_proj.bias, self.final_layer_norm.weight, self.final_layer_norm.bias,
                 self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias]
-
-    def fp8_mode(self) -> int:
-        """The FP8 mode this layer's projections use now: FP8 only while training (evaluation, validation and
-        generation run in the model's own precision)."""
-        return self.fp8 if self.training else 0
 
     def cpp_eps(self):
         return [self.self_attn_layer_norm.eps, self.final_layer_norm.eps]
@@ -89,7 +84,7 @@ class EncoderLayer(nn.Module):
 
     def ffn(self, x):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        fp8 = self.fp8_mode()
+        fp8 = fp8_now(self)
         h = ops.linear(h, self.fc1.weight, fp8=fp8)
         h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
         h = ops.linear(h, self.fc2.weight, fp8=fp8)
