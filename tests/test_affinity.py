@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from ls_fairseq import env
 from ls_fairseq.cli import affinity
 
 
@@ -31,13 +32,13 @@ def test_slices_are_disjoint_and_cover_every_core():
 
 def test_setting_values(monkeypatch):
     monkeypatch.delenv("LS_FAIRSEQ_CPU_AFFINITY", raising=False)
-    assert affinity.setting() == "auto"
+    assert env.cpu_affinity() == "auto"
     for value, want in (("auto", "auto"), ("1", "on"), ("true", "on"), ("0", "off"), ("no", "off")):
         monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", value)
-        assert affinity.setting() == want
+        assert env.cpu_affinity() == want
     monkeypatch.setenv("LS_FAIRSEQ_CPU_AFFINITY", "maybe")
     with pytest.raises(ValueError, match="expected auto, 0 or 1"):
-        affinity.setting()
+        env.cpu_affinity()
 
 
 def test_apply_only_when_shared_and_wanted(monkeypatch):

@@ -312,18 +312,18 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
 
 def test_shard_setting_is_checked(monkeypatch):
     from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
-    from ls_fairseq.fairseq_ext.trainer import shard_adam_requested
+    from ls_fairseq.env import shard_adam
 
     for value, want in (("0", False), ("1", True), ("p2p", "p2p")):
         monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", value)
-        assert shard_adam_requested() == want
+        assert shard_adam() == want
     monkeypatch.delenv("LS_FAIRSEQ_SHARD_ADAM")
-    assert shard_adam_requested() == "p2p"  # the default: shard where the ranks write each other's weights
+    assert shard_adam() == "p2p"  # the default: shard where the ranks write each other's weights
     monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", "")
-    assert shard_adam_requested() == "p2p"
+    assert shard_adam() == "p2p"
     monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", "yes")
     with pytest.raises(ValueError, match="LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not 'yes'"):
-        shard_adam_requested()
+        shard_adam()
     opt = LSFairseqAdam(LSAdamConfig(lr=[0.01]), [torch.nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="request_sharding takes True, False or 'p2p', not 'P2P'"):
         opt.request_sharding("P2P")

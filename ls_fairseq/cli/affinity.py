@@ -32,11 +32,6 @@ _TOPOLOGY = "/sys/devices/system/cpu/cpu{}/topology/thread_siblings_list"
 AUTO_MIN_CPUS = 4  # "auto" leaves a machine alone where a slice would be smaller than this
 
 
-def setting() -> str:
-    """'auto', 'on' or 'off', from LS_FAIRSEQ_CPU_AFFINITY."""
-    return env.cpu_affinity()
-
-
 def _parse_list(text: str) -> List[int]:
     """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]"""
     out = []
@@ -93,7 +88,7 @@ def slice_for(local_rank: int, local_world: int, cores: List[List[int]]) -> List
 def apply(local_rank: int, local_world: int, cpu_count: Optional[int] = None) -> Optional[List[int]]:
     """Restrict this process to its slice (see the module docstring). Returns the CPUs it kept, or
     None when nothing was changed. ``cpu_count``: the machine's CPUs (os.cpu_count() when None)."""
-    mode = setting()
+    mode = env.cpu_affinity()
     if mode == "off" or local_world < 2:
         return None
     if not hasattr(os, "sched_setaffinity"):

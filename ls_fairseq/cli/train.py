@@ -152,9 +152,9 @@ def use_ls_trainer(fairseq_train_module) -> bool:
     """Let fairseq's training loop build LSTrainer (fewer host stalls per step; same updates).
 
     ``LS_FAIRSEQ_PLAIN_TRAINER=1`` keeps fairseq's Trainer. Returns True when it switched."""
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer, plain_trainer_requested
+    from ls_fairseq.fairseq_ext.trainer import LSTrainer
 
-    if plain_trainer_requested():
+    if env.plain_trainer():
         return False
     fairseq_train_module.Trainer = LSTrainer
     return True
@@ -297,11 +297,9 @@ def keep_epoch_iterator(args: argparse.Namespace, argv: List[str]) -> bool:
     ``--grouped-shuffling`` batches the data exactly as one without (only the order of the batches
     differs). An explicit ``--update-epoch-batch-itr`` is kept. Returns True when it changed the
     setting."""
-    from ls_fairseq.fairseq_ext.trainer import plain_trainer_requested
-
     if not getattr(args, "grouped_shuffling", False) or not getattr(args, "update_epoch_batch_itr", False):
         return False
-    if plain_trainer_requested() or _common.has_flag(argv, "--update-epoch-batch-itr"):
+    if env.plain_trainer() or _common.has_flag(argv, "--update-epoch-batch-itr"):
         return False
     args.update_epoch_batch_itr = False
     return True

@@ -67,21 +67,10 @@ from ls_fairseq.fairseq_ext.step_timing import host_sections_summary, step_timin
 from ls_fairseq import env
 
 # the names other modules and scripts import from here
-__all__ = ["LSTrainer", "DeferredLoggingOutput", "host_sections_summary", "pin_sample", "plain_trainer_requested",
-           "scale_candidates", "seed_generators", "shard_adam_requested", "step_timing_summary",
-           "sync_step_requested"]
+__all__ = ["LSTrainer", "DeferredLoggingOutput", "host_sections_summary", "pin_sample",
+           "scale_candidates", "seed_generators", "step_timing_summary"]
 
 logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same lines as its Trainer
-
-
-def plain_trainer_requested() -> bool:
-    return env.plain_trainer()
-
-
-def shard_adam_requested():
-    """LS_FAIRSEQ_SHARD_ADAM: "1" shards ls_adam's state (True); "p2p", the default, only where the
-    ranks can write each other's weights ("p2p"); "0": every rank keeps the whole state (False)."""
-    return env.shard_adam()
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,10 +99,6 @@ def seed_generators(seed: int) -> None:
     if cuda:
         for gen in torch.cuda.default_generators:
             gen.manual_seed(seed)
-
-
-def sync_step_requested() -> bool:
-    return env.sync_step()
 
 
 @contextlib.contextmanager
@@ -192,7 +177,7 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         inner, _ = _inner_and_scaler(opt)
         cfg = self.cfg
         reason = None
-        if sync_step_requested():
+        if env.sync_step():
             reason = "LS_FAIRSEQ_SYNC_STEP=1"
         elif not isinstance(inner, LSFairseqAdam):
             reason = f"optimizer {type(inner).__name__} (the deferred step needs ls_adam)"
@@ -210,7 +195,7 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         self._ls_deferred = (opt, ok)
         if isinstance(inner, LSFairseqAdam):
             inner._ls_trainer = True  # lightseq-train's trainer drives it (see LSFairseqAdam.step)
-        shard = shard_adam_requested()
+        shard = env.shard_adam()
         if ok and self.data_parallel_world_size > 1 and shard:
             inner.request_sharding(shard)
         if ok:

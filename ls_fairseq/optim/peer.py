@@ -28,12 +28,8 @@ from ls_fairseq import env
 logger = logging.getLogger(__name__)
 
 
-def peer_writes_requested() -> bool:
-    return env.shard_p2p()
-
-
 def _why_not(workspaces: Sequence[FlatWorkspace], world_size: int, group) -> Optional[str]:
-    if not peer_writes_requested():
+    if not env.shard_p2p():
         return "LS_FAIRSEQ_SHARD_P2P=0"
     if world_size != 2:
         return f"a world size of {world_size} (peer writes serve two ranks)"
