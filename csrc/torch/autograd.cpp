@@ -23,7 +23,6 @@ using torch::autograd::variable_list;
 
 namespace {
 
-inline Tensor contig(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 inline OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 inline OptTensor opt_contig(const Tensor& t) { return t.defined() ? OptTensor(contig(t)) : std::nullopt; }
 inline OptTensor opt_contig(const OptTensor& t) { return present(t) ? OptTensor(contig(*t)) : std::nullopt; }

@@ -85,5 +85,7 @@ inline std::string sizes_str(at::IntArrayRef v) { return detail::concat(v); }
   LS_CHECK((t).scalar_type() == (dt), op, ": ", #t, " must be ", (dt), ", got ", (t).scalar_type())
 
 inline bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+// t itself when contiguous (no dispatcher call), else a contiguous copy
+inline Tensor contig(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 
 }  // namespace ls_torch

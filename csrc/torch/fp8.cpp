@@ -44,8 +44,6 @@ std::pair<Tensor, Tensor> quantize(const char* op, const Tensor& x, ls::Fp8Forma
   return {q, scale_inv};
 }
 
-inline Tensor contig(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
-
 struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                         int64_t grad_format) {
