@@ -65,6 +65,66 @@ def test_layer_norm_nodes(nodes):
     assert "PreLayerNormNode" in out[0].grad_fn.name()
 
 
+def _saved_bytes(fn, params=()):
+    """(fn(), bytes of the distinct storages autograd keeps for the backward of what fn records, ``params``
+    (the weights, static memory) left out)."""
+    storages = {}
+    skip = {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def test_invertible_layer_norm_nodes(nodes):
+    """--ls-invertible-layernorm: the same gradients, from the output instead of the input."""
+    _same_as_autograd(lambda x, w, b: nodes.ag_layer_norm(x, None, w, b, 1e-5, True), _ln, [X, W, B])
+    _same_as_autograd(lambda x, r, w, b: nodes.ag_layer_norm(x, r, w, b, 1e-5, True),
+                      lambda x, r, w, b: (_ln(x + r, w, b), x + r), [X, R, W, B])
+    _same_as_autograd(lambda x, w, b: nodes.ag_pre_layer_norm(x, w, b, 1e-5, True),
+                      lambda x, w, b: (_ln(x, w, b), x * 1), [X, W, B])
+    x, w, b = _leaves(X, W, B)
+    lin = torch.randn(8, 16)
+    for pre in (False, True):  # followed by a linear layer, which keeps the output: the input is freed
+        norm = (lambda t: nodes.ag_pre_layer_norm(t, w, b, 1e-5, inv)[0]) if pre else \
+            (lambda t: nodes.ag_layer_norm(t, None, w, b, 1e-5, inv)[0])
+        sizes = []
+        for inv in (False, True):
+            _, n = _saved_bytes(lambda: nodes.ag_linear(norm(x * 1.0), lin), [w, b, lin])
+            sizes.append(n)
+        assert sizes[0] - sizes[1] >= X.numel() * X.element_size(), (pre, sizes)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_bias_act_linear_node(nodes, act):
+    """--ls-recompute-activation's node: dropout(act(x + b)) W^T with every gradient of the stored pair."""
+    f = F.relu if act == "relu" else F.gelu
+    w = torch.randn(10, 16, generator=torch.Generator().manual_seed(7))
+    out = _same_as_autograd(lambda x, b, w: nodes.ag_bias_act_linear(x, b, w, act, 0.0)[0],
+                            lambda x, b, w: F.linear(f(x + b), w), [X, B, w])
+    assert "BiasActLinearNode" in out[0].grad_fn.name()
+    _same_as_autograd(lambda x, w: nodes.ag_bias_act_linear(x, None, w, act, 0.0)[0],
+                      lambda x, w: F.linear(f(x), w), [X, w])
+    x, bl = _leaves(X, B)  # frozen weight: the input's and the bias's gradients only
+    gx, gb = torch.autograd.grad(nodes.ag_bias_act_linear(x, bl, w, act, 0.0)[0].sum(), [x, bl])
+    xr, br = _leaves(X, B)
+    want = torch.autograd.grad(F.linear(f(xr + br), w).sum(), [xr, br])
+    torch.testing.assert_close(gx, want[0])
+    torch.testing.assert_close(gb, want[1])
+    x, b, wl = _leaves(X, B, w)
+    _, recomputed = _saved_bytes(lambda: nodes.ag_bias_act_linear(x, b, wl, act, 0.0), [b, wl])
+    _, stored = _saved_bytes(lambda: nodes.ag_linear(nodes.ag_bias_act_dropout(x, b, act, 0.0)[0], wl), [b, wl])
+    if act == "gelu":  # stored: the input and the output; recomputed: the input only
+        assert stored - recomputed >= X.numel() * X.element_size()
+    with pytest.raises(Exception, match="does not match weight"):
+        nodes.ag_bias_act_linear(X, None, torch.randn(4, 15), act, 0.0)
+
+
 def test_layer_norm_nodes_with_one_output_used(nodes):
     x, r = _leaves(X, R)
     _, s = nodes.ag_layer_norm(x, r, W, B, 1e-5)  # only x + residual used
@@ -231,6 +291,41 @@ def test_decoder_layer_call_matches_the_python_layer(layer_path, pre, masks):
 
     _same_layer(layer, forward(False), forward(True), [x, k, v])
     assert len(layer.cpp_weights()) == len(list(layer.parameters())) == 18
+
+
+@pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+def test_layer_calls_with_the_memory_modes(layer_path, pre, decoder):
+    """Both memory modes on: the C++ call equals the Python layer with the modes, and both equal the layer
+    without them."""
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+    from ls_fairseq.modules.layer_norm import LayerNorm
+
+    torch.manual_seed(2)
+    cls = DecoderLayer if decoder else EncoderLayer
+    layer = cls(16, 32, 4, dropout=0.0, activation="gelu", normalize_before=pre).double()
+    x = torch.randn(3, 6, 16, dtype=torch.float64)
+    kv = [torch.randn(3, 4, 9, 4, dtype=torch.float64) for _ in range(2)] if decoder else []
+
+    def set_modes(on):
+        layer.recompute_activation = on
+        for m in layer.modules():
+            if isinstance(m, LayerNorm):
+                m.invertible = on
+
+    def forward(cpp, modes):
+        def f(x, *rest):
+            layer_path(cpp)
+            set_modes(modes)
+            return layer(x, *rest[:len(kv)])
+        return f
+
+    assert layer.memory_bits() == 0
+    _same_layer(layer, forward(False, True), forward(True, True), [x] + kv)
+    _same_layer(layer, forward(False, False), forward(True, True), [x] + kv)
+    set_modes(True)
+    assert layer.memory_bits() == 3
 
 
 def test_layer_call_under_activation_checkpointing(layer_path):

@@ -90,11 +90,13 @@ __global__ void __launch_bounds__(kCeThreads) ls_ce_fwd_kernel(const T* __restri
 }
 
 template <typename T, bool VEC>
-__global__ void __launch_bounds__(kCeThreads) ls_ce_bwd_kernel(const T* __restrict__ logits,
+// dlogits may be logits (the in-place backward): each thread reads its 8 values before it writes them, and no
+// other thread touches them, so the pointers are not __restrict__.
+__global__ void __launch_bounds__(kCeThreads) ls_ce_bwd_kernel(const T* logits,
                                                                const int64_t* __restrict__ target,
                                                                const float* __restrict__ lse_in,
                                                                const float* __restrict__ g_loss,
-                                                               const float* __restrict__ g_nll, T* __restrict__ dlogits,
+                                                               const float* __restrict__ g_nll, T* dlogits,
                                                                int V, float eps, int64_t ignore_index) {
   const int64_t row = blockIdx.x;
   const T* x = logits + row * V;

@@ -28,14 +28,17 @@ __device__ __forceinline__ float act_f(float x) {
 
 // ================================================================ forward kernel
 // out = [residual +] dropout(act(x + bias)) over n elements, bias period C.
-template <typename T, Act A, bool RESIDUAL, bool VEC>
+// REPLAY: the keep bits are read from `keep` (a mask this kernel wrote before) instead of drawn, and no mask is
+// written: the same arithmetic, so the same values bit for bit (the recomputed activation of
+// --ls-recompute-activation).
+template <typename T, Act A, bool RESIDUAL, bool VEC, bool REPLAY = false>
 __global__ void fused_dropout_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                          const T* __restrict__ residual, T* __restrict__ out,
                                          uint8_t* __restrict__ mask, int64_t n, int C, float p,
-                                         uint32_t threshold, PhiloxArgs rng) {
+                                         uint32_t threshold, PhiloxArgs rng, const uint8_t* __restrict__ keep = nullptr) {
   uint64_t seed = 0, offset = 0;
-  if (mask != nullptr) philox_unpack(rng, seed, offset);
-  const float scale = mask != nullptr ? 1.f / (1.f - p) : 1.f;
+  if (!REPLAY && mask != nullptr) philox_unpack(rng, seed, offset);
+  const float scale = (REPLAY || mask != nullptr) ? 1.f / (1.f - p) : 1.f;
   const int64_t groups = (n + 7) / 8;
   for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
     const int64_t i0 = g * 8;
@@ -54,7 +57,11 @@ __global__ void fused_dropout_fwd_kernel(const T* __restrict__ x, const T* __res
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = act_f<A>(v[k]);
-    if (mask != nullptr) {
+    if (REPLAY) {
+      const uint32_t bits = keep[g];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = ((bits >> k) & 1u) ? v[k] * scale : 0.f;
+    } else if (mask != nullptr) {
       const uint32_t bits = dropout_bits(g, seed, offset, threshold);
 #pragma unroll
       for (int k = 0; k < 8; ++k) v[k] = ((bits >> k) & 1u) ? v[k] * scale : 0.f;
@@ -160,6 +167,42 @@ void bias_act_dropout_fwd(DType dt, const void* x, const void* bias, void* out, 
       launch_fwd<T, Act::Gelu, false>(xt, bt, nullptr, ot, mask, n, C, p, rng, stream, "bias_gelu_dropout_fwd");
     else
       launch_fwd<T, Act::None, false>(xt, bt, nullptr, ot, mask, n, C, p, rng, stream, "bias_dropout_fwd");
+  });
+}
+
+template <typename T, Act A>
+static void launch_replay(const T* x, const T* bias, const uint8_t* keep, T* out, int64_t n, int C, float p,
+                          cudaStream_t stream) {
+  if (n <= 0) return;
+  const bool vec = C % 8 == 0 && aligned16(x) && aligned16(out) && (bias == nullptr || aligned16(bias));
+  const int threads = 256;
+  const int64_t groups = (n + 7) / 8;
+  const int blocks = (int)std::min<int64_t>((groups + threads - 1) / threads, (int64_t)num_sms() * 16);
+  if (vec)
+    fused_dropout_fwd_kernel<T, A, false, true, true><<<blocks, threads, 0, stream>>>(x, bias, nullptr, out, nullptr,
+                                                                                     n, C, p, 0u, PhiloxArgs{}, keep);
+  else
+    fused_dropout_fwd_kernel<T, A, false, false, true><<<blocks, threads, 0, stream>>>(x, bias, nullptr, out, nullptr,
+                                                                                      n, C, p, 0u, PhiloxArgs{}, keep);
+  LS_CHECK_LAUNCH("bias_act_dropout_replay", stream);
+}
+
+void bias_act_dropout_replay(DType dt, const void* x, const void* bias, const uint8_t* keep, void* out, int64_t n,
+                             int C, float p, Act act, cudaStream_t stream) {
+  if (keep == nullptr) {  // no dropout was applied: the forward without a mask
+    bias_act_dropout_fwd(dt, x, bias, out, nullptr, n, C, 0.f, act, PhiloxArgs{}, stream);
+    return;
+  }
+  LS_DISPATCH(dt, T, {
+    const T* xt = static_cast<const T*>(x);
+    const T* bt = static_cast<const T*>(bias);
+    T* ot = static_cast<T*>(out);
+    if (act == Act::Relu)
+      launch_replay<T, Act::Relu>(xt, bt, keep, ot, n, C, p, stream);
+    else if (act == Act::Gelu)
+      launch_replay<T, Act::Gelu>(xt, bt, keep, ot, n, C, p, stream);
+    else
+      launch_replay<T, Act::None>(xt, bt, keep, ot, n, C, p, stream);
   });
 }
 

@@ -69,10 +69,11 @@ void layer_norm_fwd(DType dt, const void* x, const void* residual, const void* g
                     cudaStream_t stream);
 // Floats of workspace layer_norm_bwd needs.
 int64_t layer_norm_bwd_workspace(int64_t rows, int C);
-// dx = LN'(xin)^T dy [+ dsum]; dgamma, dbeta = column sums. xin is the LN input.
+// dx = LN'(xin)^T dy [+ dsum]; dgamma, dbeta = column sums. beta == nullptr: xin is the LN input and mean is
+// read; beta given (invertible): xin is the LN output y, xhat = (y - beta) / gamma, mean is not read.
 void layer_norm_bwd(DType dt, const void* dy, const void* dsum, const void* xin, const void* gamma,
-                    const float* mean, const float* rstd, void* dx, void* dgamma, void* dbeta, float* workspace,
-                    int64_t rows, int C, cudaStream_t stream);
+                    const void* beta, const float* mean, const float* rstd, void* dx, void* dgamma, void* dbeta,
+                    float* workspace, int64_t rows, int C, cudaStream_t stream);
 
 // ================================================================ dropout.cu
 // Column-sum workspace (floats) for the backward kernels that also reduce a bias gradient.
@@ -86,6 +87,10 @@ void bias_dropout_residual_fwd(DType dt, const void* x, const void* bias, const 
 // out = dropout(act(x + bias)).
 void bias_act_dropout_fwd(DType dt, const void* x, const void* bias, void* out, uint8_t* mask, int64_t n, int C,
                           float p, Act act, PhiloxArgs rng, cudaStream_t stream);
+// out = dropout(act(x + bias)) with the keep bits of a mask bias_act_dropout_fwd wrote (nullptr: p was 0): the
+// forward's values again, bit for bit.
+void bias_act_dropout_replay(DType dt, const void* x, const void* bias, const uint8_t* keep, void* out, int64_t n,
+                             int C, float p, Act act, cudaStream_t stream);
 // dx = dy * act'(x + bias) * keep / (1 - p); dbias (nullable) = column sums of dx.
 // Act::None: no activation (bias_dropout_residual's backward; x, bias unused).
 // Act::Relu: act' read from `out` (> 0), mask unused. Act::Gelu: needs x, bias and mask.

@@ -7,6 +7,11 @@
 // Backward: with xhat = (s - mean) * rstd and gw = dy * gamma (fp32),
 //   dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) [+ dsum],
 //   dgamma = sum_rows dy * xhat, dbeta = sum_rows dy.
+// Invertible backward (--ls-invertible-layernorm): the input is not kept; xhat is recovered from the
+// stored output as (y - beta) / gamma in fp32, so only y (which the next linear layer keeps anyway), beta
+// and rstd are needed. Its xhat carries the rounding of y to the storage type, divided by gamma: exact up
+// to that rounding while |gamma| is not small against |beta|. Where gamma is 0, xhat cannot be recovered:
+// the division gives NaN, which reaches dx, dgamma and dbeta of that call (never a finite wrong value).
 // The column sums are fp32 per-thread accumulations over a fixed set of rows per block, combined
 // across the block and then across blocks in a fixed order: deterministic.
 //
@@ -110,17 +115,21 @@ __global__ void __launch_bounds__(1024) layer_norm_fwd_kernel(
 }
 
 // ================================================================ backward
-template <typename T, bool VEC>
+// INV: xin is the output y and beta is read; otherwise xin is the input (x or x + residual) and mean is read.
+template <typename T, bool VEC, bool INV>
 __global__ void __launch_bounds__(1024) layer_norm_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ dsum, const T* __restrict__ xin, const T* __restrict__ gamma,
-    const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
+    const T* __restrict__ beta, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     float* __restrict__ partial, int64_t rows, int C) {
   __shared__ float2 red[32];
   extern __shared__ float sh[];  // [ty][tx * 8] column partials of the block's rows
   const int c0 = 8 * threadIdx.x;
   const int ncol = c0 < C ? min(8, C - c0) : 0;
-  float w[8];
-  if (ncol > 0) ld<VEC>(gamma + c0, ncol, w);
+  float w[8], bt[8];
+  if (ncol > 0) {
+    ld<VEC>(gamma + c0, ncol, w);
+    if (INV) ld<VEC>(beta + c0, ncol, bt);
+  }
   float acc_g[8], acc_b[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) acc_g[k] = acc_b[k] = 0.f;
@@ -132,13 +141,16 @@ __global__ void __launch_bounds__(1024) layer_norm_bwd_kernel(
     float g[8], xh[8], gwv[8];
     float a = 0.f, b = 0.f, rs = 0.f;
     if (n > 0) {
-      const float mu = mean[r];
+      const float mu = INV ? 0.f : mean[r];
       rs = rstd[r];
       ld<VEC>(dy + i0, n, g);
       ld<VEC>(xin + i0, n, xh);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        xh[k] = k < n ? (xh[k] - mu) * rs : 0.f;
+        if (INV)
+          xh[k] = k < n ? __fdiv_rn(xh[k] - bt[k], w[k]) : 0.f;
+        else
+          xh[k] = k < n ? (xh[k] - mu) * rs : 0.f;
         // rounded product, kept: gw - mean(gw) must be exactly 0 when the row is constant (C == 1),
         // which an FMA contraction of g * w - mean would break (then amplified by rstd = eps^-1/2)
         gwv[k] = __fmul_rn(g[k], w[k]);
@@ -219,23 +231,34 @@ static int ln_bwd_grid(int64_t rows, int C) {
 
 int64_t layer_norm_bwd_workspace(int64_t rows, int C) { return 2 * (int64_t)ln_bwd_grid(rows, C) * C; }
 
-void layer_norm_bwd(DType dt, const void* dy, const void* dsum, const void* xin, const void* gamma, const float* mean,
-                    const float* rstd, void* dx, void* dgamma, void* dbeta, float* workspace, int64_t rows, int C,
-                    cudaStream_t stream) {
+template <typename T, bool INV>
+static void launch_ln_bwd(bool vec, int grid, dim3 block, size_t shmem, cudaStream_t stream, const void* dy,
+                          const void* dsum, const void* xin, const void* gamma, const void* beta, const float* mean,
+                          const float* rstd, void* dx, float* workspace, int64_t rows, int C) {
+  auto k = vec ? layer_norm_bwd_kernel<T, true, INV> : layer_norm_bwd_kernel<T, false, INV>;
+  k<<<grid, block, shmem, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(dsum), static_cast<const T*>(xin),
+                                    static_cast<const T*>(gamma), static_cast<const T*>(beta), mean, rstd,
+                                    static_cast<T*>(dx), workspace, rows, C);
+}
+
+void layer_norm_bwd(DType dt, const void* dy, const void* dsum, const void* xin, const void* gamma, const void* beta,
+                    const float* mean, const float* rstd, void* dx, void* dgamma, void* dbeta, float* workspace,
+                    int64_t rows, int C, cudaStream_t stream) {
   if (C < 1 || C > kMaxC) throw std::runtime_error("layer_norm: hidden size must be in [1, 8192]");
   const LnShape s = ln_shape(C);
   const dim3 block(s.tx, s.ty);
   const int grid = ln_bwd_grid(rows, C);
   const size_t shmem = (size_t)s.tx * s.ty * 8 * sizeof(float);
-  const bool vec = ln_vec(C, {dy, dsum, xin, gamma, dx});
+  const bool inv = beta != nullptr;
+  const bool vec = ln_vec(C, {dy, dsum, xin, gamma, beta, dx});
   LS_DISPATCH(dt, T, {
     if (rows > 0) {
-      if (vec)
-        layer_norm_bwd_kernel<T, true><<<grid, block, shmem, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(dsum),
-            static_cast<const T*>(xin), static_cast<const T*>(gamma), mean, rstd, static_cast<T*>(dx), workspace, rows, C);
+      if (inv)
+        launch_ln_bwd<T, true>(vec, grid, block, shmem, stream, dy, dsum, xin, gamma, beta, mean, rstd, dx, workspace,
+                               rows, C);
       else
-        layer_norm_bwd_kernel<T, false><<<grid, block, shmem, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(dsum),
-            static_cast<const T*>(xin), static_cast<const T*>(gamma), mean, rstd, static_cast<T*>(dx), workspace, rows, C);
+        launch_ln_bwd<T, false>(vec, grid, block, shmem, stream, dy, dsum, xin, gamma, beta, mean, rstd, dx, workspace,
+                                rows, C);
       LS_CHECK_LAUNCH("layer_norm_bwd", stream);
     } else {
       cudaMemsetAsync(workspace, 0, 2 * (size_t)C * sizeof(float), stream);

@@ -48,15 +48,24 @@ inline Tensor bias_grad(AutogradContext* ctx, const Tensor& db, bool needed) {
 // The two layer-norm nodes: the forward keeps the normalised input, the weight, mean and rstd (r[2], r[3]
 // of layer_norm_fwd) and the bias dtype; the backward turns them into {dx, dweight, dbias}, dx including
 // gsum (the gradient that reached the normalised input by another way), parameter gradients in their dtypes.
+// Invertible (--ls-invertible-layernorm): the forward keeps the output y (r[0]), the weight, the bias and rstd
+// instead, and the backward recovers the normalised input from y (layer_norm.cu). y is the input of the next
+// linear layer, which keeps it anyway, so the layer norm's input is no longer held for the backward.
 inline void keep_layer_norm(AutogradContext* ctx, const Tensor& input, const Tensor& weight, const Tensor& bias,
-                            const std::vector<Tensor>& r) {
+                            const std::vector<Tensor>& r, bool invertible) {
   ctx->set_materialize_grads(false);
-  ctx->save_for_backward({input, weight, r[2], r[3]});
+  if (invertible)
+    ctx->save_for_backward({r[0], weight, r[3], bias});
+  else
+    ctx->save_for_backward({input, weight, r[3], r[2]});
+  ctx->saved_data["inv"] = invertible;
   ctx->saved_data["bdt"] = dtype_code(bias);
 }
 inline std::vector<Tensor> layer_norm_grads(AutogradContext* ctx, const Tensor& gy, const Tensor& gsum) {
   auto s = ctx->get_saved_variables();
-  auto r = layer_norm_bwd(contig(gy), opt_contig(gsum), s[0], s[1], s[2], s[3]);
+  auto r = ctx->saved_data["inv"].toBool()
+               ? layer_norm_bwd_invertible(contig(gy), opt_contig(gsum), s[0], s[1], s[3], s[2])
+               : layer_norm_bwd(contig(gy), opt_contig(gsum), s[0], s[1], s[3], s[2]);
   return {r[0], as_dtype(r[1], dtype_code(s[1])), as_dtype(r[2], ctx->saved_data["bdt"].toInt())};
 }
 
@@ -70,11 +79,11 @@ inline void keep_dropout_info(AutogradContext* ctx, double p, const OptTensor& b
 // layer_norm(x) -> [y]; with a residual: layer_norm(x + residual), x + residual -> [y, s]
 struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual,
-                               const Tensor& weight, const Tensor& bias, double eps) {
+                               const Tensor& weight, const Tensor& bias, double eps, bool invertible) {
     const bool has_res = present(residual);
     Tensor xc = contig(x);
     auto r = layer_norm_fwd(xc, opt_contig(residual), weight, bias, eps);
-    keep_layer_norm(ctx, has_res ? r[1] : xc, weight, bias, r);
+    keep_layer_norm(ctx, has_res ? r[1] : xc, weight, bias, r, invertible);
     ctx->saved_data["res"] = has_res;
     if (has_res) return {r[0], r[1]};
     return {r[0]};
@@ -84,10 +93,10 @@ struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
     const bool has_res = ctx->saved_data["res"].toBool();
     const Tensor gs = has_res && grads.size() > 1 ? grads[1] : Tensor();
     if (!grads[0].defined()) {  // only x + residual was used
-      return {gs, has_res ? gs : Tensor(), Tensor(), Tensor(), Tensor()};
+      return {gs, has_res ? gs : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
     auto d = layer_norm_grads(ctx, grads[0], gs);
-    return {d[0], has_res ? d[0] : Tensor(), d[1], d[2], Tensor()};
+    return {d[0], has_res ? d[0] : Tensor(), d[1], d[2], Tensor(), Tensor()};
   }
 };
 
@@ -95,18 +104,18 @@ struct LayerNormNode : public torch::autograd::Function<LayerNormNode> {
 // residual branch's gradient into dx in the same pass.
 struct PreLayerNormNode : public torch::autograd::Function<PreLayerNormNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                               double eps) {
+                               double eps, bool invertible) {
     Tensor xc = contig(x);
     auto r = layer_norm_fwd(xc, std::nullopt, weight, bias, eps);
-    keep_layer_norm(ctx, xc, weight, bias, r);
+    keep_layer_norm(ctx, xc, weight, bias, r, invertible);
     return {r[0], x.view_as(x)};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor gx = grads.size() > 1 ? grads[1] : Tensor();
-    if (!grads[0].defined()) return {gx, Tensor(), Tensor(), Tensor()};
+    if (!grads[0].defined()) return {gx, Tensor(), Tensor(), Tensor(), Tensor()};
     auto d = layer_norm_grads(ctx, grads[0], gx);
-    return {d[0], d[1], d[2], Tensor()};
+    return {d[0], d[1], d[2], Tensor(), Tensor()};
   }
 };
 
@@ -232,12 +241,13 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
 }  // namespace
 
 variable_list ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
-                            double eps) {
-  return LayerNormNode::apply(x, residual, weight, bias, eps);
+                            double eps, bool invertible) {
+  return LayerNormNode::apply(x, residual, weight, bias, eps, invertible);
 }
 
-variable_list ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
-  return PreLayerNormNode::apply(x, weight, bias, eps);
+variable_list ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                                bool invertible) {
+  return PreLayerNormNode::apply(x, weight, bias, eps, invertible);
 }
 
 variable_list ag_bias_dropout_residual(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p) {

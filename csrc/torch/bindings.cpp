@@ -33,11 +33,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("bias"), py::arg("eps"));
   m.def("layer_norm_bwd", guarded(&layer_norm_bwd), "layer norm backward", py::arg("dy"), py::arg("dsum") = none,
         py::arg("xin"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+  m.def("layer_norm_bwd_invertible", guarded(&layer_norm_bwd_invertible),
+        "layer norm backward from the output y (xhat = (y - bias) / weight)", py::arg("dy"), py::arg("dsum") = none,
+        py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("rstd"));
 
   m.def("bias_dropout_residual_fwd", guarded(&bias_dropout_residual_fwd), "residual + dropout(x + bias)", py::arg("x"),
         py::arg("bias") = none, py::arg("residual"), py::arg("p"));
   m.def("bias_act_dropout_fwd", guarded(&bias_act_dropout_fwd), "dropout(act(x + bias))", py::arg("x"), py::arg("bias") = none,
         py::arg("activation"), py::arg("p"));
+  m.def("bias_act_dropout_replay", guarded(&bias_act_dropout_replay),
+        "dropout(act(x + bias)) again from the forward's mask", py::arg("x"), py::arg("bias") = none,
+        py::arg("mask") = none, py::arg("activation"), py::arg("p"));
   m.def("bias_act_dropout_bwd", guarded(&bias_act_dropout_bwd), "backward of bias(+act)+dropout", py::arg("dy"),
         py::arg("x") = none, py::arg("bias") = none, py::arg("out") = none, py::arg("mask") = none, py::arg("p"),
         py::arg("activation"), py::arg("need_dbias"));
@@ -60,7 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("target"), py::arg("epsilon"), py::arg("ignore_index"));
   m.def("ls_cross_entropy_bwd", guarded(&ls_cross_entropy_bwd), "label-smoothed CE backward", py::arg("logits"),
         py::arg("target"), py::arg("lse"), py::arg("g_loss"), py::arg("g_nll"), py::arg("epsilon"),
-        py::arg("ignore_index"));
+        py::arg("ignore_index"), py::arg("inplace") = false);
 
   m.def("adam_step", guarded(&adam_step), "fused Adam/AdamW over flat buffers", py::arg("param"), py::arg("grad"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_lp") = none, py::arg("lr"), py::arg("beta1"),
@@ -74,9 +80,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // autograd nodes in C++ (autograd.cpp)
   m.def("ag_layer_norm", guarded(&ag_layer_norm), "differentiable layer norm (+ residual): [y] or [y, x + residual]",
-        py::arg("x"), py::arg("residual") = none, py::arg("weight"), py::arg("bias"), py::arg("eps"));
+        py::arg("x"), py::arg("residual") = none, py::arg("weight"), py::arg("bias"), py::arg("eps"),
+        py::arg("invertible") = false);
   m.def("ag_pre_layer_norm", guarded(&ag_pre_layer_norm), "differentiable pre-LN entry: [layer_norm(x), x]",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"));
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("invertible") = false);
   m.def("ag_bias_dropout_residual", guarded(&ag_bias_dropout_residual),
         "differentiable residual + dropout(x + bias): [out, mask]", py::arg("x"), py::arg("bias") = none,
         py::arg("residual"), py::arg("p"));
@@ -88,16 +95,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = none);
   m.def("fp8_quantize", guarded(&fp8_quantize), "per-tensor FP8 codes (0 = e4m3, 1 = e5m2) and 1/scale (fp8.cpp)",
         py::arg("x"), py::arg("format"));
+  m.def("ag_bias_act_linear", guarded(&ag_bias_act_linear),
+        "differentiable dropout(act(x + bias)) W^T recomputing the activation in the backward: [y, mask] "
+        "(recompute.cpp)", py::arg("x"), py::arg("bias") = none, py::arg("weight"), py::arg("activation"),
+        py::arg("p"), py::arg("fp8") = 0);
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = none, py::arg("grad_format"));
   m.def("encoder_layer_fwd", guarded(&encoder_layer_fwd),
         "an encoder layer's forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"),
         py::arg("num_heads"), py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0);
+        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0,
+        py::arg("memory") = 0);
   m.def("decoder_layer_fwd", guarded(&decoder_layer_fwd),
         "a decoder layer's full-sequence forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
         py::arg("self_attn_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
         py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0);
+        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0,
+        py::arg("memory") = 0);
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

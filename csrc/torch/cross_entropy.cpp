@@ -1,4 +1,6 @@
 // ATen adapter: label-smoothed cross-entropy forward (sums) and backward.
+#include <torch/csrc/autograd/variable.h>
+
 #include "torch/adapter.h"
 #include "torch/ops.h"
 
@@ -35,8 +37,11 @@ std::vector<Tensor> ls_cross_entropy_fwd(const Tensor& logits, const Tensor& tar
   return {sums[0].clone(), sums[1].clone(), lse};  // no aliasing between outputs
 }
 
+// inplace: the gradient overwrites the logits (which the backward reads for the last time here) instead of
+// taking a second [tokens, vocab] buffer; the logits' version counter is bumped, so a node that kept them
+// for later fails loudly instead of reading gradients.
 Tensor ls_cross_entropy_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& g_loss,
-                            const Tensor& g_nll, double epsilon, int64_t ignore_index) {
+                            const Tensor& g_nll, double epsilon, int64_t ignore_index, bool inplace) {
   const char* op = "ls_cross_entropy_bwd";
   check_ce(op, logits, target);
   LS_CHECK_INPUT(op, lse);
@@ -45,12 +50,13 @@ Tensor ls_cross_entropy_bwd(const Tensor& logits, const Tensor& target, const Te
   c10::cuda::CUDAGuard guard(logits.device());
   Tensor gl = g_loss.to(logits.device(), at::kFloat).reshape({1}).contiguous();
   Tensor gn = g_nll.to(logits.device(), at::kFloat).reshape({1}).contiguous();
-  Tensor dlogits = at::empty_like(logits);
+  Tensor dlogits = inplace ? logits : at::empty_like(logits);
   launch(op, [&] {
     ls::ls_cross_entropy_bwd(dt, logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr<float>(),
                              gl.data_ptr<float>(), gn.data_ptr<float>(), dlogits.data_ptr(), logits.size(0),
                              checked_int(op, "vocab", logits.size(1)), (float)epsilon, ignore_index, stream());
   });
+  if (inplace) torch::autograd::impl::bump_version(logits);
   return dlogits;
 }
 

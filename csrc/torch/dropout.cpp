@@ -71,6 +71,37 @@ std::vector<Tensor> bias_act_dropout_fwd(const Tensor& x, const OptTensor& bias,
   return {f.out, f.mask};
 }
 
+// -> out: the output of bias_act_dropout_fwd(x, bias, activation, p) again, from the mask it returned (the
+// recomputed activation of --ls-recompute-activation; bit for bit the forward's values).
+Tensor bias_act_dropout_replay(const Tensor& x, const OptTensor& bias, const OptTensor& mask,
+                               const std::string& activation, double p) {
+  const char* op = "bias_act_dropout_replay";
+  const ls::Act act = parse_act(op, activation);
+  LS_CHECK_INPUT(op, x);
+  LS_CHECK(x.dim() >= 1, op, ": x must have at least one dimension");
+  check_p(op, p);
+  const bool drop = p > 0.0 && x.numel() > 0;
+  if (drop) {
+    LS_CHECK(present(mask), op, ": replaying dropout needs the forward's mask");
+    LS_CHECK_INPUT(op, *mask);
+    LS_CHECK_SAME_DEVICE(op, x, *mask);
+    LS_CHECK_DTYPE(op, *mask, at::kByte);
+    LS_CHECK(mask->numel() == ls::mask_bytes(x.numel()), op, ": mask has ", mask->numel(), " bytes, expected ",
+             ls::mask_bytes(x.numel()));
+  }
+  const int64_t C = x.size(-1);
+  auto b = channel_param(op, "bias", bias, x, C);
+  const ls::DType dt = to_dtype(op, x);
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor out = at::empty_like(x);
+  launch(op, [&] {
+    ls::bias_act_dropout_replay(dt, x.data_ptr(), ptr_or_null(b), drop ? mask->data_ptr<uint8_t>() : nullptr,
+                                out.data_ptr(), x.numel(), checked_int(op, "C", C), drop ? (float)p : 0.f, act,
+                                stream());
+  });
+  return out;
+}
+
 // -> (dx, dbias (empty unless need_dbias)). activation "none": dx = dy * keep / (1 - p);
 // "relu" needs `out` (the forward output); "gelu" needs x, bias and the mask.
 std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, const OptTensor& bias,

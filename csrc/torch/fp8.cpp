@@ -47,38 +47,29 @@ std::pair<Tensor, Tensor> quantize(const char* op, const Tensor& x, ls::Fp8Forma
 struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                         int64_t grad_format) {
-    const char* op = "fp8_linear";
     const int64_t K = x.size(-1);
     Tensor x2 = contig(x.reshape({-1, K}));
-    auto [xq, sx] = quantize(op, x2, ls::Fp8Format::E4M3);
-    auto [wq, sw] = quantize(op, contig(weight), ls::Fp8Format::E4M3);
-    // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes; fast accumulation forward
-    Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, x.scalar_type(), true);
+    auto f = fp8_linear_forward(x2, weight, bias);
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({x2, weight, wq, sw});
+    ctx->save_for_backward({x2, weight, f[1], f[2]});
     ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["gf"] = grad_format;
-    return at::_unsafe_view(y2, sizes);
+    return at::_unsafe_view(f[0], sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& g = grads[0];
     if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
-    const char* op = "fp8_linear backward";
     auto s = ctx->get_saved_variables();
     const Tensor &x2 = s[0], &w = s[1], &wq = s[2], &sw = s[3];
     Tensor g2 = contig(g.reshape({-1, w.size(0)}));
     Tensor dx, dw, db;
     if (ctx->needs_input_grad(0)) {
-      auto [gq, sg] = quantize(op, g2, to_format(op, ctx->saved_data["gf"].toInt()));
-      // mat2 = W [N, K] column-major: the transposed copy of the codes, viewed back
-      Tensor wqt = wq.t().contiguous();
       auto sizes = g.sizes().vec();
       sizes.back() = w.size(1);
-      dx = at::_unsafe_view(at::_scaled_mm(gq, wqt.t(), sg, sw, std::nullopt, std::nullopt, g.scalar_type(), false),
-                            sizes);
+      dx = at::_unsafe_view(fp8_linear_input_grad(g2, wq, sw, ctx->saved_data["gf"].toInt()), sizes);
     }
     if (ctx->needs_input_grad(1)) dw = at::mm(g2.t(), x2);
     if (ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2)) db = g2.sum(0);
@@ -87,6 +78,23 @@ struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
 };
 
 }  // namespace
+
+std::vector<Tensor> fp8_linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias) {
+  const char* op = "fp8_linear";
+  auto [xq, sx] = quantize(op, x2, ls::Fp8Format::E4M3);
+  auto [wq, sw] = quantize(op, contig(weight), ls::Fp8Format::E4M3);
+  // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes; fast accumulation forward
+  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, x2.scalar_type(), true);
+  return {y2, wq, sw};
+}
+
+Tensor fp8_linear_input_grad(const Tensor& g2, const Tensor& wq, const Tensor& sw, int64_t grad_format) {
+  const char* op = "fp8_linear backward";
+  auto [gq, sg] = quantize(op, g2, to_format(op, grad_format));
+  // mat2 = W [N, K] column-major: the transposed copy of the codes, viewed back
+  Tensor wqt = wq.t().contiguous();
+  return at::_scaled_mm(gq, wqt.t(), sg, sw, std::nullopt, std::nullopt, g2.scalar_type(), false);
+}
 
 bool fp8_linear_shapes_ok(const Tensor& weight) { return weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0; }
 

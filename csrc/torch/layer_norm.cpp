@@ -35,11 +35,11 @@ std::vector<Tensor> layer_norm_fwd(const Tensor& x, const OptTensor& residual, c
   return {y, s, mean, rstd};
 }
 
-// -> (dx, dgamma, dbeta); xin is the layer norm's input (x, or x + residual), dsum the gradient
-// flowing into x + residual from elsewhere (added to dx).
-std::vector<Tensor> layer_norm_bwd(const Tensor& dy, const OptTensor& dsum, const Tensor& xin, const Tensor& gamma,
-                                   const Tensor& mean, const Tensor& rstd) {
-  const char* op = "layer_norm_bwd";
+namespace {
+
+// Both backwards: xin is the input (mean given) or, invertible, the output (beta given, mean absent).
+std::vector<Tensor> ln_bwd(const char* op, const Tensor& dy, const OptTensor& dsum, const Tensor& xin,
+                           const Tensor& gamma, const OptTensor& beta, const OptTensor& mean, const Tensor& rstd) {
   LS_CHECK_INPUT(op, dy);
   LS_CHECK_INPUT(op, xin);
   LS_CHECK(dy.sizes() == xin.sizes(), op, ": dy shape ", dy.sizes(), " != input shape ", xin.sizes());
@@ -53,23 +53,43 @@ std::vector<Tensor> layer_norm_bwd(const Tensor& dy, const OptTensor& dsum, cons
     LS_CHECK(dsum->sizes() == xin.sizes(), op, ": dsum shape ", dsum->sizes(), " != input shape ", xin.sizes());
     LS_CHECK_DTYPE(op, *dsum, xin.scalar_type());
   }
-  LS_CHECK_INPUT(op, mean);
+  if (present(mean)) {
+    LS_CHECK_INPUT(op, *mean);
+    LS_CHECK(mean->numel() == rows, op, ": mean must have ", rows, " elements");
+    LS_CHECK_DTYPE(op, *mean, at::kFloat);
+  }
   LS_CHECK_INPUT(op, rstd);
-  LS_CHECK(mean.numel() == rows && rstd.numel() == rows, op, ": mean/rstd must have ", rows, " elements");
-  LS_CHECK_DTYPE(op, mean, at::kFloat);
+  LS_CHECK(rstd.numel() == rows, op, ": rstd must have ", rows, " elements");
   LS_CHECK_DTYPE(op, rstd, at::kFloat);
   auto g = channel_param(op, "weight", gamma, xin, C);
+  OptTensor b = channel_param(op, "bias", beta, xin, C);
   c10::cuda::CUDAGuard guard(xin.device());
   Tensor dx = at::empty_like(xin);
   Tensor dg = at::empty({C}, xin.options()), db = at::empty({C}, xin.options());
   Tensor ws = at::empty({std::max<int64_t>(ls::layer_norm_bwd_workspace(rows, (int)C), 2 * C)},
                         xin.options().dtype(at::kFloat));
   launch(op, [&] {
-    ls::layer_norm_bwd(dt, dy.data_ptr(), ptr_or_null(dsum), xin.data_ptr(), g->data_ptr(), mean.data_ptr<float>(),
-                       rstd.data_ptr<float>(), dx.data_ptr(), dg.data_ptr(), db.data_ptr(), ws.data_ptr<float>(), rows,
-                       (int)C, stream());
+    ls::layer_norm_bwd(dt, dy.data_ptr(), ptr_or_null(dsum), xin.data_ptr(), g->data_ptr(), ptr_or_null(b),
+                       present(mean) ? mean->data_ptr<float>() : nullptr, rstd.data_ptr<float>(), dx.data_ptr(),
+                       dg.data_ptr(), db.data_ptr(), ws.data_ptr<float>(), rows, (int)C, stream());
   });
   return {dx, dg, db};
+}
+
+}  // namespace
+
+// -> (dx, dgamma, dbeta); xin is the layer norm's input (x, or x + residual), dsum the gradient
+// flowing into x + residual from elsewhere (added to dx).
+std::vector<Tensor> layer_norm_bwd(const Tensor& dy, const OptTensor& dsum, const Tensor& xin, const Tensor& gamma,
+                                   const Tensor& mean, const Tensor& rstd) {
+  return ln_bwd("layer_norm_bwd", dy, dsum, xin, gamma, std::nullopt, mean, rstd);
+}
+
+// The same from the layer norm's output y instead of its input (xhat = (y - beta) / gamma): the backward of
+// --ls-invertible-layernorm, which keeps y (held by the next layer anyway) and not the input.
+std::vector<Tensor> layer_norm_bwd_invertible(const Tensor& dy, const OptTensor& dsum, const Tensor& y,
+                                              const Tensor& gamma, const Tensor& beta, const Tensor& rstd) {
+  return ln_bwd("layer_norm_bwd_invertible", dy, dsum, y, gamma, beta, std::nullopt, rstd);
 }
 
 }  // namespace ls_torch

@@ -14,6 +14,7 @@
 //            encoder_attn.out_proj.{weight,bias}                                            (18)
 // eps: the layer norms' eps in the same order (self-attention, final[, encoder-attention]).
 // Dropout probabilities are the effective ones (0 outside training); the decoder's encoder-attention has its own.
+// memory: the memory modes (ops.h: kInvertibleLayerNorm, kRecomputeActivation), as the Python layers apply them.
 #include <torch/extension.h>
 
 #include <ATen/Context.h>
@@ -105,48 +106,70 @@ struct Dropouts {
   double dropout, act, attn, cross_attn;  // cross_attn: the decoder's encoder-attention
 };
 
+// What a layer's blocks share besides the weights.
+struct LayerArgs {
+  int64_t num_heads;
+  Dropouts p;
+  bool pre;          // normalize_before
+  int64_t short_len;
+  int64_t fp8;
+  bool invertible;   // kInvertibleLayerNorm
+  bool recompute;    // kRecomputeActivation
+};
+
 // (input of the block, its residual): layer_norm(x) and x for pre-LN, x and x for post-LN
-std::pair<Tensor, Tensor> block_input(const Tensor& x, bool pre, const Tensor& w, const Tensor& b, double eps) {
-  if (!pre) return {x, x};
-  auto r = ag_pre_layer_norm(x, w, b, eps);
+std::pair<Tensor, Tensor> block_input(const Tensor& x, const LayerArgs& a, const Tensor& w, const Tensor& b,
+                                      double eps) {
+  if (!a.pre) return {x, x};
+  auto r = ag_pre_layer_norm(x, w, b, eps, a.invertible);
   return {r[0], r[1]};
 }
 
 // residual + dropout(h + bias), then the layer norm of a post-LN block
-Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual, double p, bool pre, const Tensor& w,
+Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual, const LayerArgs& a, const Tensor& w,
                     const Tensor& b, double eps) {
-  Tensor x = ag_bias_dropout_residual(h, bias, residual, p)[0];
-  return pre ? x : ag_layer_norm(x, std::nullopt, w, b, eps)[0];
+  Tensor x = ag_bias_dropout_residual(h, bias, residual, a.p.dropout)[0];
+  return a.pre ? x : ag_layer_norm(x, std::nullopt, w, b, eps, a.invertible)[0];
 }
 
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
-                            double eps, int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len, int64_t fp8) {
-  auto [h, residual] = block_input(x, pre, w[0], w[1], eps);
-  Tensor qkv = ag_linear_mode(h, w[2], std::nullopt, fp8);
-  auto parts = ag_split_heads(qkv, w[3], 3, num_heads);
-  Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, p.attn, short_len);
-  h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, fp8);
-  return block_output(h, w[5], residual, p.dropout, pre, w[0], w[1], eps);
+                            double eps, const LayerArgs& a) {
+  auto [h, residual] = block_input(x, a, w[0], w[1], eps);
+  Tensor qkv = ag_linear_mode(h, w[2], std::nullopt, a.fp8);
+  auto parts = ag_split_heads(qkv, w[3], 3, a.num_heads);
+  Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len);
+  h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8);
+  return block_output(h, w[5], residual, a, w[0], w[1], eps);
 }
 
 Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
-                 const Dropouts& p, bool pre, int64_t fp8) {
-  auto [h, residual] = block_input(x, pre, w[6], w[7], eps);
-  h = ag_linear_mode(h, w[8], std::nullopt, fp8);
-  h = ag_bias_act_dropout(h, w[9], activation, p.act)[0];
-  h = ag_linear_mode(h, w[10], std::nullopt, fp8);
-  return block_output(h, w[11], residual, p.dropout, pre, w[6], w[7], eps);
+                 const LayerArgs& a) {
+  auto [h, residual] = block_input(x, a, w[6], w[7], eps);
+  h = ag_linear_mode(h, w[8], std::nullopt, a.fp8);
+  if (a.recompute && activation == "gelu") {
+    h = ag_bias_act_linear(h, w[9], w[10], activation, a.p.act, a.fp8)[0];
+  } else {
+    h = ag_bias_act_dropout(h, w[9], activation, a.p.act)[0];
+    h = ag_linear_mode(h, w[10], std::nullopt, a.fp8);
+  }
+  return block_output(h, w[11], residual, a, w[6], w[7], eps);
 }
 
 Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, const OptTensor& attend,
-                             const std::vector<Tensor>& w, double eps, int64_t num_heads, const Dropouts& p, bool pre,
-                             int64_t short_len, int64_t fp8) {
-  auto [h, residual] = block_input(x, pre, w[12], w[13], eps);
+                             const std::vector<Tensor>& w, double eps, const LayerArgs& a) {
+  auto [h, residual] = block_input(x, a, w[12], w[13], eps);
   const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
-  Tensor q = ag_linear_mode(h, w[14], w[15], fp8).view({B, T, num_heads, C / num_heads}).transpose(1, 2);
-  Tensor out = attention(q, k, v, attend, false, p.cross_attn, short_len);
-  h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, fp8);
-  return block_output(h, w[17], residual, p.dropout, pre, w[12], w[13], eps);
+  Tensor q = ag_linear_mode(h, w[14], w[15], a.fp8).view({B, T, a.num_heads, C / a.num_heads}).transpose(1, 2);
+  Tensor out = attention(q, k, v, attend, false, a.p.cross_attn, a.short_len);
+  h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, a.fp8);
+  return block_output(h, w[17], residual, a, w[12], w[13], eps);
+}
+
+LayerArgs layer_args(int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len, int64_t fp8, int64_t memory) {
+  LS_CHECK(memory >= 0 && memory <= (kInvertibleLayerNorm | kRecomputeActivation),
+           "transformer layer: unknown memory mode bits ", memory);
+  return {num_heads, p, pre, short_len, fp8, (memory & kInvertibleLayerNorm) != 0,
+          (memory & kRecomputeActivation) != 0};
 }
 
 // Clear errors for what the Python layer would have refused or what no kernel below checks.
@@ -186,15 +209,16 @@ void check_padding_mask(const char* op, const char* what, const OptTensor& mask,
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8) {
+                         int64_t short_len, int64_t fp8, int64_t memory) {
   const char* op = "encoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, 0.0};
   check_layer(op, x, weights, 12, eps, 2, num_heads, activation, p);
+  const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, fp8, memory);
   check_padding_mask(op, "key_padding_mask", key_padding_mask, x.size(0), x.size(1), x);
   ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor attend = present(key_padding_mask) ? OptTensor(attend_mask(*key_padding_mask)) : std::nullopt;
-  Tensor h = self_attention_block(x, attend, false, weights, eps[0], num_heads, p, normalize_before, short_len, fp8);
-  return ffn_block(h, weights, eps[1], activation, p, normalize_before, fp8);
+  Tensor h = self_attention_block(x, attend, false, weights, eps[0], a);
+  return ffn_block(h, weights, eps[1], activation, a);
 }
 
 Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
@@ -202,10 +226,11 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8) {
+                         int64_t short_len, int64_t fp8, int64_t memory) {
   const char* op = "decoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, cross_attention_dropout};
   check_layer(op, x, weights, 18, eps, 3, num_heads, activation, p);
+  const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, fp8, memory);
   const int64_t B = x.size(0), C = x.size(2);
   for (const Tensor* t : {&cross_k, &cross_v})
     LS_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == num_heads && t->size(3) == C / num_heads &&
@@ -218,10 +243,9 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
   OptTensor self_attend =
       present(self_attn_padding_mask) ? OptTensor(attend_mask(*self_attn_padding_mask)) : std::nullopt;
   OptTensor enc_attend = present(encoder_padding_mask) ? OptTensor(attend_mask(*encoder_padding_mask)) : std::nullopt;
-  Tensor h = self_attention_block(x, self_attend, true, weights, eps[0], num_heads, p, normalize_before, short_len, fp8);
-  h = cross_attention_block(h, cross_k, cross_v, enc_attend, weights, eps[2], num_heads, p, normalize_before,
-                            short_len, fp8);
-  return ffn_block(h, weights, eps[1], activation, p, normalize_before, fp8);
+  Tensor h = self_attention_block(x, self_attend, true, weights, eps[0], a);
+  h = cross_attention_block(h, cross_k, cross_v, enc_attend, weights, eps[2], a);
+  return ffn_block(h, weights, eps[1], activation, a);
 }
 
 }  // namespace ls_torch

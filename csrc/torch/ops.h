@@ -12,11 +12,15 @@ std::vector<Tensor> layer_norm_fwd(const Tensor& x, const OptTensor& residual, c
                                    const Tensor& beta, double eps);
 std::vector<Tensor> layer_norm_bwd(const Tensor& dy, const OptTensor& dsum, const Tensor& xin, const Tensor& gamma,
                                    const Tensor& mean, const Tensor& rstd);
+std::vector<Tensor> layer_norm_bwd_invertible(const Tensor& dy, const OptTensor& dsum, const Tensor& y,
+                                              const Tensor& gamma, const Tensor& beta, const Tensor& rstd);
 
 std::vector<Tensor> bias_dropout_residual_fwd(const Tensor& x, const OptTensor& bias, const Tensor& residual,
                                               double p);
 std::vector<Tensor> bias_act_dropout_fwd(const Tensor& x, const OptTensor& bias, const std::string& activation,
                                          double p);
+Tensor bias_act_dropout_replay(const Tensor& x, const OptTensor& bias, const OptTensor& mask,
+                               const std::string& activation, double p);
 std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, const OptTensor& bias,
                                          const OptTensor& out, const OptTensor& mask, double p,
                                          const std::string& activation, bool need_dbias);
@@ -36,7 +40,7 @@ Tensor merge_heads_bwd(const Tensor& dy, int64_t num_heads);
 std::vector<Tensor> ls_cross_entropy_fwd(const Tensor& logits, const Tensor& target, double epsilon,
                                          int64_t ignore_index);
 Tensor ls_cross_entropy_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& g_loss,
-                            const Tensor& g_nll, double epsilon, int64_t ignore_index);
+                            const Tensor& g_nll, double epsilon, int64_t ignore_index, bool inplace);
 
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -53,8 +57,9 @@ void copy_div(const std::vector<Tensor>& dst, const std::vector<Tensor>& src, do
 // Autograd nodes in C++ (autograd.cpp): the differentiable forms of the ops above that a training step
 // calls most, plus a linear layer; each records one node in the graph.
 std::vector<Tensor> ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
-                                  const Tensor& bias, double eps);
-std::vector<Tensor> ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
+                                  const Tensor& bias, double eps, bool invertible);
+std::vector<Tensor> ag_pre_layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                                      bool invertible);
 std::vector<Tensor> ag_bias_dropout_residual(const Tensor& x, const OptTensor& bias, const Tensor& residual,
                                              double p);
 std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const std::string& activation,
@@ -67,13 +72,13 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8);
+                         int64_t short_len, int64_t fp8, int64_t memory);
 Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
                          const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8);
+                         int64_t short_len, int64_t fp8, int64_t memory);
 
 // fp8.cpp: per-tensor FP8 quantisation (format 0 = e4m3, 1 = e5m2) -> [codes, scale_inv], and the FP8 linear
 // node (grad_format: the format of the output gradient). ag_linear_mode: fp8 = 0 the plain linear node, 1 + g
@@ -81,5 +86,19 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
 std::vector<Tensor> fp8_quantize(const Tensor& x, int64_t format);
 Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t grad_format);
 Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t fp8);
+// The FP8 linear's pieces, for nodes that build on it: the forward over the 2-d input -> [y2, weight codes,
+// weight scale_inv], and the input gradient from those codes.
+bool fp8_linear_shapes_ok(const Tensor& weight);
+std::vector<Tensor> fp8_linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias);
+Tensor fp8_linear_input_grad(const Tensor& g2, const Tensor& wq, const Tensor& sw, int64_t grad_format);
+
+// recompute.cpp: dropout(act(x + bias)) W^T as one node that keeps the activation's input, not its output, and
+// recomputes the output in the backward (--ls-recompute-activation) -> [y, mask]. fp8 as in ag_linear_mode.
+std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,
+                                       const std::string& activation, double p, int64_t fp8);
+
+// Memory modes of the layers (bits of the `memory` argument of encoder_layer_fwd / decoder_layer_fwd).
+constexpr int64_t kInvertibleLayerNorm = 1;  // layer norms keep their output, not their input
+constexpr int64_t kRecomputeActivation = 2;  // the FFN's activation output is recomputed in the backward (gelu)
 
 }  // namespace ls_torch

@@ -70,11 +70,12 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         """Logits [B, T, V], or with ``logit_rows`` (int64 [N] indices into the B * T flattened
         positions) logits [N, V] of those positions only: the vocabulary projection, its two
         backward GEMMs and the loss then skip padding."""
-        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
+        rows = None
         if logit_rows is not None and not features_only:
             if incremental_state is not None:
                 raise ValueError("logit_rows is for training and scoring, not incremental decoding")
-            x = x.reshape(-1, x.shape[-1]).index_select(0, logit_rows)
+            rows = logit_rows
+        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, rows=rows)
         if not features_only:
             x = self.output_layer(x)
         return x, extra
@@ -100,7 +101,9 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             state["cross_kv"] = kv
         return kv
 
-    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **unused):
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, rows=None, **unused):
+        """Features [B, T, C]; with ``rows`` (int64 indices into the B * T positions) [N, C] of those rows only,
+        selected before the final layer norm (row-wise, so the same values), which then keeps only them."""
         if encoder_out is None or len(encoder_out["encoder_out"]) == 0:
             raise ValueError("ls_transformer's decoder needs the encoder output")
         T = prev_output_tokens.shape[1]
@@ -139,6 +142,8 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             else:
                 x = layer(x, k, v, enc_pad, self_pad)
             inner_states.append(x.transpose(0, 1))
+        if rows is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         return x, {"attn": [None], "inner_states": inner_states}

@@ -16,6 +16,7 @@ from ls_fairseq.fairseq_ext.config import check_supported
 from ls_fairseq.fairseq_ext.decoder import LSTransformerDecoder
 from ls_fairseq.fairseq_ext.encoder import LSTransformerEncoder
 from ls_fairseq.fairseq_ext.fp8_mode import add_fp8_args, set_fp8_mode
+from ls_fairseq.fairseq_ext.memory_modes import add_memory_args, set_memory_modes
 
 
 @register_model("ls_transformer")
@@ -39,6 +40,7 @@ class LSTransformerModel(native.TransformerModel):
     def add_args(cls, parser):
         super().add_args(parser)
         add_fp8_args(parser)
+        add_memory_args(parser)
 
     @classmethod
     def build_model(cls, args, task):
@@ -46,6 +48,7 @@ class LSTransformerModel(native.TransformerModel):
         check_supported(TransformerConfig.from_namespace(args))
         model = super().build_model(args, task)
         set_fp8_mode(model, args)
+        set_memory_modes(model, args)
         task_cfg = getattr(task, "cfg", None)
         left_pad = getattr(task_cfg, "left_pad_target", None) if task_cfg is not None else None
         if left_pad is not None:

@@ -18,6 +18,7 @@ import torch
 from fairseq import metrics
 from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
 
+from ls_fairseq.fairseq_ext.memory_modes import zero_weight_report
 from ls_fairseq.fairseq_ext.step_stats import _SummedLogs
 
 logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same lines as its Trainer
@@ -108,6 +109,9 @@ class PendingUpdateMixin:
             pending.logging_outputs = pending.logging_outputs.read(values[pending.n_status:])
         ls_adam, scaler = _inner_and_scaler(self.optimizer)
         if not math.isfinite(grad_norm):
+            report = zero_weight_report(self.model)
+            if report is not None:  # a cause no loss scale can fix, named
+                raise FloatingPointError(f"gradients are Nan/Inf (the update was not applied): {report}")
             if scaler is None:
                 raise FloatingPointError("gradients are Nan/Inf (the update was not applied)")
             # fairseq: no update, the loss scale goes down, nothing is logged for this step

@@ -38,6 +38,7 @@ class EncoderLayer(nn.Module):
         self.activation = activation
         self.normalize_before = normalize_before
         self.fp8 = 0  # FP8 mode of the FFN's projections while training (ls_fairseq/ops/fp8.py)
+        self.recompute_activation = False  # --ls-recompute-activation (ls_fairseq/ops/bias_act_linear.py)
         self.self_attn = SelfAttention(embed_dim, num_heads, attention_dropout, causal=False)
         self.self_attn_layer_norm = LayerNorm(embed_dim)
         self.fc1 = nn.Linear(embed_dim, ffn_dim)
@@ -63,7 +64,17 @@ class EncoderLayer(nn.Module):
     def cpp_args(self):
         """The C++ layer call's arguments after its inputs and masks (csrc/torch/layers.cpp)."""
         return (self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
-                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, fp8_now(self))
+                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, fp8_now(self), self.memory_bits())
+
+    def memory_bits(self) -> int:
+        """The memory modes as the C++ layer takes them (csrc/torch/ops.h: 1 invertible layer norms,
+        2 recomputed activation)."""
+        return (1 if self.final_layer_norm.invertible else 0) | (2 if self.recomputes_activation() else 0)
+
+    def recomputes_activation(self) -> bool:
+        """Whether the FFN recomputes its activation output in the backward (gelu only: a relu FFN keeps
+        one tensor for the backward already)."""
+        return self.recompute_activation and self.activation == "gelu"
 
     def cpp_weights(self):
         """The weights in the order csrc/torch/layers.cpp takes them."""
@@ -86,8 +97,12 @@ class EncoderLayer(nn.Module):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
         fp8 = fp8_now(self)
         h = ops.linear(h, self.fc1.weight, fp8=fp8)
-        h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
-        h = ops.linear(h, self.fc2.weight, fp8=fp8)
+        if self.recomputes_activation():
+            h = ops.bias_act_linear(h, self.fc1.bias, self.fc2.weight, self.activation, self.activation_dropout,
+                                    self.training, fp8=fp8)
+        else:
+            h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
+            h = ops.linear(h, self.fc2.weight, fp8=fp8)
         x = ops.bias_dropout_residual(h, self.fc2.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.final_layer_norm(x)

@@ -13,13 +13,14 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
+        self.invertible = False  # --ls-invertible-layernorm: keep the output for the backward, not the input
 
     def forward(self, x):
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps, invertible=self.invertible)
 
     def with_input(self, x):
         """(layer_norm(x), x): use the second as the residual of a pre-LN block (one fused backward)."""
-        return ops.pre_layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.pre_layer_norm(x, self.weight, self.bias, self.eps, invertible=self.invertible)
 
     def extra_repr(self):
         return f"{self.dim}, eps={self.eps}"

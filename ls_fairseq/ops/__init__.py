@@ -3,6 +3,7 @@
 from ls_fairseq.ops.layer_norm import layer_norm, add_layer_norm, pre_layer_norm
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout
+from ls_fairseq.ops.bias_act_linear import bias_act_linear
 from ls_fairseq.ops.embedding import embedding
 from ls_fairseq.ops.attention import qkv_split, kv_split, split_heads, merge_heads, attention
 from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
@@ -11,7 +12,7 @@ from ls_fairseq.ops.copy_div import copy_div_
 from ls_fairseq.ops.linear import linear
 
 __all__ = [
-    "layer_norm", "add_layer_norm", "pre_layer_norm", "bias_dropout_residual", "bias_act_dropout", "embedding",
+    "layer_norm", "add_layer_norm", "pre_layer_norm", "bias_dropout_residual", "bias_act_dropout", "bias_act_linear", "embedding",
     "qkv_split", "kv_split", "split_heads", "merge_heads", "attention", "label_smoothed_cross_entropy", "adam_", "grad_norm",
     "copy_div_", "linear",
 ]

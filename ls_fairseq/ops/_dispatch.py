@@ -17,6 +17,7 @@ KERNEL_ENTRY = {
     "add_layer_norm": "layer_norm_fwd",
     "bias_dropout_residual": "bias_dropout_residual_fwd",
     "bias_act_dropout": "bias_act_dropout_fwd",
+    "bias_act_linear": "ag_bias_act_linear",
     "embedding": "embedding_fwd",
     "qkv_split": "qkv_split_fwd",
     "merge_heads": "merge_heads_fwd",

@@ -47,7 +47,11 @@ def label_smoothed_cross_entropy(logits, target, epsilon: float = 0.0, ignore_in
 
 
 class _LabelSmoothedCEFn(torch.autograd.Function):
-    """Saves the logits, targets and one fp32 logsumexp per row; the gradient is in the logits' dtype."""
+    """Saves the logits, targets and one fp32 logsumexp per row; the gradient is in the logits' dtype.
+
+    The backward writes the gradient over the logits (their last use) instead of into a second
+    [tokens, vocab] buffer: the same values, and the step's peak memory is one vocabulary-sized tensor
+    lower. A second backward through the same forward (retain_graph=True) is refused."""
 
     @staticmethod
     def forward(ctx, logits, target, epsilon, ignore_index):
@@ -57,13 +61,22 @@ class _LabelSmoothedCEFn(torch.autograd.Function):
         loss, nll, lse = call("ls_cross_entropy_fwd", l2, t1, float(epsilon), int(ignore_index))
         ctx.save_for_backward(l2, t1, lse)
         ctx.meta = (float(epsilon), int(ignore_index), logits.shape)
+        ctx.consumed = False
         return loss, nll
 
     @staticmethod
     def backward(ctx, g_loss, g_nll):
+        if ctx.consumed:
+            raise RuntimeError("label_smoothed_cross_entropy: a second backward through one forward is not "
+                               "supported (its gradient overwrites the logits); do not use retain_graph=True here")
         l2, t1, lse = ctx.saved_tensors
+        ctx.consumed = True
         eps, ignore_index, shape = ctx.meta
-        d = call("ls_cross_entropy_bwd", l2, t1, lse, g_loss, g_nll, eps, ignore_index)
+        args = (l2, t1, lse, g_loss, g_nll, eps, ignore_index)
+        if torch.compiler.is_compiling():  # the custom op's schema returns a new tensor
+            d = call("ls_cross_entropy_bwd", *args)
+        else:
+            d = call("ls_cross_entropy_bwd", *args, True)
         return d.view(shape), None, None, None
 
 

@@ -2,6 +2,14 @@
 
 Shapes: x, residual [..., C]; weight, bias [C]. Statistics are computed in fp32 and the
 output is stored in x's dtype.
+
+``invertible=True`` (--ls-invertible-layernorm) keeps the output y for the backward instead of the
+input, and recovers the normalised input as (y - bias) / weight. A layer norm's output is the input of
+the next linear layer, which keeps it anyway, so the input's memory is freed. The gradients are those of
+the stored path up to the rounding of y to its dtype (divided by the weight); where the weight is 0 the
+input cannot be recovered and the gradients of x and of the weight are NaN (never a finite wrong value),
+which the optimizer treats as an overflow. The C++ node (eager mode) and the reference honour it;
+torch.compile traces the stored path.
 """
 
 import torch
@@ -23,17 +31,46 @@ def add_layer_norm_reference(x, residual, weight, bias, eps: float = 1e-5):
     return layer_norm_reference(s, weight, bias, eps), s
 
 
+class _InvertibleLayerNormReference(torch.autograd.Function):
+    """The reference of the invertible layer norm: y as layer_norm_reference, backward from y."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, _mean, rstd = torch.native_layer_norm(up(x), (x.shape[-1],), up(weight), up(bias), eps)
+        y = y.to(x.dtype)
+        ctx.save_for_backward(y, weight, bias, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, weight, bias, rstd = ctx.saved_tensors
+        C = y.shape[-1]
+        xh = (up(y) - up(bias)) / up(weight)
+        g = up(dy)
+        gw = g * up(weight)
+        dx = rstd * (gw - gw.mean(-1, keepdim=True) - xh * (gw * xh).mean(-1, keepdim=True))
+        dg = (g * xh).reshape(-1, C).sum(0)
+        db = g.reshape(-1, C).sum(0)
+        return dx.to(y.dtype), dg.to(weight.dtype), db.to(bias.dtype), None
+
+
+def _reference(x, weight, bias, eps, invertible):
+    if invertible and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
+        return _InvertibleLayerNormReference.apply(x, weight, bias, eps)
+    return layer_norm_reference(x, weight, bias, eps)
+
+
 def _check(x, weight, bias):
     check_last_dim(weight, x.shape[-1], "layer_norm weight")
     check_last_dim(bias, x.shape[-1], "layer_norm bias")
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5):
+def layer_norm(x, weight, bias, eps: float = 1e-5, invertible: bool = False):
     _check(x, weight, bias)
     mod = kernel_module("layer_norm", x, weight, bias)
     if mod is not None:
-        return _fused_layer_norm(mod, x, None, weight, bias, eps)[0]
-    return layer_norm_reference(x, weight, bias, eps)
+        return _fused_layer_norm(mod, x, None, weight, bias, eps, invertible)[0]
+    return _reference(x, weight, bias, eps, invertible)
 
 
 def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
@@ -47,7 +84,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
     return add_layer_norm_reference(x, residual, weight, bias, eps)
 
 
-def pre_layer_norm(x, weight, bias, eps: float = 1e-5):
+def pre_layer_norm(x, weight, bias, eps: float = 1e-5, invertible: bool = False):
     """(layer_norm(x), x) for a pre-LN block, whose input is also its residual.
 
     Use the second output as the residual: both gradients then reach ONE backward call and the
@@ -58,10 +95,10 @@ def pre_layer_norm(x, weight, bias, eps: float = 1e-5):
     if mod is not None and 0 < x.shape[-1] <= KERNEL_MAX_C:
         nodes = cpp_nodes(mod)
         if nodes is not None:
-            y, xs = nodes.ag_pre_layer_norm(x, weight, bias, float(eps))
+            y, xs = nodes.ag_pre_layer_norm(x, weight, bias, float(eps), bool(invertible))
             return y, xs
         return _PreLayerNormFn.apply(x, weight, bias, eps)
-    return layer_norm_reference(x, weight, bias, eps), x
+    return _reference(x, weight, bias, eps, invertible), x
 
 
 class _PreLayerNormFn(torch.autograd.Function):
@@ -111,13 +148,13 @@ class _LayerNormFn(torch.autograd.Function):
 KERNEL_MAX_C = 8192  # the kernels keep a row in registers
 
 
-def _fused_layer_norm(mod, x, residual, weight, bias, eps):  # kernel slot
+def _fused_layer_norm(mod, x, residual, weight, bias, eps, invertible=False):  # kernel slot
     if x.shape[-1] > KERNEL_MAX_C or x.shape[-1] == 0:  # wider rows: the reference (no size limit)
         if residual is None:
-            return (layer_norm_reference(x, weight, bias, eps),)
+            return (_reference(x, weight, bias, eps, invertible),)
         return add_layer_norm_reference(x, residual, weight, bias, eps)
     nodes = cpp_nodes(mod)
     if nodes is not None:
-        return tuple(nodes.ag_layer_norm(x, residual, weight, bias, float(eps)))
+        return tuple(nodes.ag_layer_norm(x, residual, weight, bias, float(eps), bool(invertible)))
     out = _LayerNormFn.apply(x, residual, weight, bias, eps)
     return out if residual is not None else (out,)

@@ -17,6 +17,24 @@ std::vector<Tensor> layer_norm_bwd(const Tensor& dy, const OptTensor& dsum, cons
   if (present(dsum)) dx = dx + *dsum;
   return {dx, std::get<1>(r), std::get<2>(r)};
 }
+// xhat = (y - beta) / gamma, then the layer-norm backward with that xhat (mean 0, the given rstd)
+std::vector<Tensor> layer_norm_bwd_invertible(const Tensor& dy, const OptTensor& dsum, const Tensor& y,
+                                              const Tensor& gamma, const Tensor& beta, const Tensor& rstd) {
+  const int64_t C = y.size(-1);
+  Tensor xh = (y - beta) / gamma, r = rstd.reshape({-1, 1});
+  Tensor dy2 = dy.reshape({-1, C}), xh2 = xh.reshape({-1, C});
+  Tensor gw = dy2 * gamma;
+  Tensor dx = r * (gw - gw.mean(-1, true) - xh2 * (gw * xh2).mean(-1, true));
+  dx = dx.view(y.sizes());
+  if (present(dsum)) dx = dx + *dsum;
+  return {dx, (dy2 * xh2).sum(0), dy2.sum(0)};
+}
+Tensor bias_act_dropout_replay(const Tensor& x, const OptTensor& bias, const OptTensor& mask,
+                               const std::string& act, double p) {
+  LS_CHECK(p == 0.0, "fake: p must be 0");
+  Tensor y = present(bias) ? x + *bias : x;
+  return act == "relu" ? at::relu(y) : at::gelu(y);
+}
 std::vector<Tensor> bias_dropout_residual_fwd(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p) {
   LS_CHECK(p == 0.0, "fake: p must be 0");
   Tensor y = present(bias) ? x + *bias : x.clone();
@@ -60,5 +78,14 @@ std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, cons
 Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t fp8) {
   LS_CHECK(fp8 == 0, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return ag_linear(x, weight, bias);
+}
+bool fp8_linear_shapes_ok(const Tensor& weight) { return false; }
+std::vector<Tensor> fp8_linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias) {
+  LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+  return {};
+}
+Tensor fp8_linear_input_grad(const Tensor& g2, const Tensor& wq, const Tensor& sw, int64_t grad_format) {
+  LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+  return {};
 }
 }  // namespace ls_torch
