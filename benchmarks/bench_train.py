@@ -75,7 +75,12 @@ def epoch_flops(data, arch, vocab):
     return 3 * fwd, tgt.sum()
 
 
-def run(kind, arch, max_tokens, precision, data, epochs, out):
+MEMORY_MODES = {"ls_mem": ["--ls-invertible-layernorm", "--ls-recompute-activation"],
+                "ls_inv": ["--ls-invertible-layernorm"], "ls_recompute": ["--ls-recompute-activation"]}
+
+
+def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
+    """One training run; ``entry``: the train_entry.py to run (another checkout's, for a baseline)."""
     ls = kind.startswith("ls")  # "ls", or "ls_me": ls with --memory-efficient-fp16/bf16
     a = ("ls_" + arch) if ls else arch
     flags = [data, "--arch", a, "--max-tokens", str(max_tokens), "--max-epoch", str(epochs)] + COMMON
@@ -88,9 +93,10 @@ def run(kind, arch, max_tokens, precision, data, epochs, out):
         flags += ["--ls-graph-step", "off"]
     if kind.startswith("ls_fp8"):  # ls_fp8 (default gradient format), ls_fp8_e4m3, ls_fp8_e5m2
         flags += ["--fp8"] + (["--fp8-grad-format", kind.rsplit("_", 1)[1]] if kind.count("_") == 2 else [])
+    flags += MEMORY_MODES.get(kind, [])
     name = f"{kind}_{arch}_{max_tokens}_{precision}"
     log_path = os.path.join(out, name + ".log")
-    cmd = [sys.executable, os.path.join(HERE, "train_entry.py"), "ls" if ls else "native"] + flags
+    cmd = [sys.executable, entry or os.path.join(HERE, "train_entry.py"), "ls" if ls else "native"] + flags
     t0 = time.time()
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
@@ -130,7 +136,8 @@ def main():
     ap.add_argument("--max-tokens", default="4096,8192,16384")
     ap.add_argument("--kinds", default="native,ls",
                     help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
-                         "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format)")
+                         "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format), "
+                         "ls_mem (both memory modes), ls_inv / ls_recompute (one of them)")
     ap.add_argument("--bf16", action="store_true", help="also run ls in bf16 (native fairseq cannot)")
     ap.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"], help="fp32: CPU smoke test")
     args = ap.parse_args()

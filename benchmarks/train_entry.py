@@ -61,6 +61,7 @@ def main():
     finally:
         if torch.cuda.is_available():
             print(f"BENCH peak_mem_gb={torch.cuda.max_memory_allocated() / 2**30:.3f}", flush=True)
+            print(f"BENCH peak_reserved_gb={torch.cuda.max_memory_reserved() / 2**30:.3f}", flush=True)
 
 
 def _count_words(cls):

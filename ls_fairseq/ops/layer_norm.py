@@ -6,7 +6,8 @@ output is stored in x's dtype.
 ``invertible=True`` (--ls-invertible-layernorm) keeps the output y for the backward instead of the
 input, and recovers the normalised input as (y - bias) / weight. A layer norm's output is the input of
 the next linear layer, which keeps it anyway, so the input's memory is freed. The gradients are those of
-the stored path up to the rounding of y to its dtype (divided by the weight); where the weight is 0 the
+the stored path up to the rounding of y to its dtype divided by the weight: within the kernels' tolerance
+of the stored path while |weight| stays above about 0.5, growing as it shrinks; where the weight is 0 the
 input cannot be recovered and the gradients of x and of the weight are NaN (never a finite wrong value),
 which the optimizer treats as an overflow. The C++ node (eager mode) and the reference honour it;
 torch.compile traces the stored path.

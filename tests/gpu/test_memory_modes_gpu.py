@@ -1,0 +1,245 @@
+"""The memory modes' kernels and nodes on the GPU: the invertible layer-norm backward against the fp64 reference
+(the tolerance rule) and against zero weights, the dropout replay bit for bit, the recomputing FFN node bit for
+bit against the stored pair (also with FP8), the in-place cross-entropy backward, whole layers with the modes,
+and the memory each saves in a training step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ls_fairseq import _ext
+from ls_fairseq.ops.layer_norm import layer_norm_reference
+from ._tols import DTYPES, assert_close_to_gold
+
+pytestmark = pytest.mark.gpu
+
+
+def _mod():
+    return _ext.get()
+
+
+def _leaf(t, dtype=None):
+    return (t.to(dtype) if dtype is not None else t).detach().clone().requires_grad_(True)
+
+
+# ---------------------------------------------------------------- invertible layer norm
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("C", [1, 7, 63, 1024, 1031, 8192])
+@pytest.mark.parametrize("rows", [1, 13, 4099])
+@pytest.mark.parametrize("pre", [False, True], ids=["plain", "pre_ln"])
+def test_invertible_layer_norm_against_the_reference(dtype, C, rows, pre):
+    g = torch.Generator(device="cuda").manual_seed(C * 7 + rows)
+    x = torch.randn(rows, C, device="cuda", generator=g) * 2 + 0.5
+    # weights of either sign with |w| in [0.5, 1.5]: the recovered input carries y's rounding divided by |w|
+    # (ls_fairseq/ops/layer_norm.py), so much smaller weights amplify it beyond the stored path's error
+    w = (0.5 + torch.rand(C, device="cuda", generator=g)) * torch.sign(torch.randn(C, device="cuda", generator=g))
+    b = 0.2 * torch.randn(C, device="cuda", generator=g)
+    gy = torch.randn(rows, C, device="cuda", generator=g)
+    gx = torch.randn(rows, C, device="cuda", generator=g)  # pre-LN: the residual branch's gradient
+    nodes = _mod()
+
+    def grads(fn, dt, inv):
+        ins = [_leaf(t, dt) for t in (x, w, b)]
+        if pre:
+            y, xs = fn(*ins, inv)
+            loss = (y.double() * gy.double()).sum() + (xs.double() * gx.double()).sum()
+        else:
+            y = fn(*ins, inv)
+            loss = (y.double() * gy.double()).sum()
+        return y, torch.autograd.grad(loss, ins)
+
+    if pre:
+        fused = lambda x, w, b, inv: tuple(nodes.ag_pre_layer_norm(x, w, b, 1e-5, inv))  # noqa: E731
+        ref = lambda x, w, b, inv: (layer_norm_reference(x, w, b), x * 1)  # noqa: E731
+    else:
+        fused = lambda x, w, b, inv: nodes.ag_layer_norm(x, None, w, b, 1e-5, inv)[0]  # noqa: E731
+        ref = lambda x, w, b, inv: F.layer_norm(x, (C,), w, b, 1e-5)  # noqa: E731
+    y_inv, g_inv = grads(fused, dtype, True)
+    y_st, g_st = grads(fused, dtype, False)
+    _, g_lowp = grads(ref, dtype, False)
+    _, g_gold = grads(ref, torch.float64, False)
+    assert torch.equal(y_inv[0] if pre else y_inv, y_st[0] if pre else y_st)  # the same forward
+    for name, a, lo, gold in zip(("dx", "dweight", "dbias"), g_inv, g_lowp, g_gold):
+        assert_close_to_gold(a, lo, gold, dtype, f"invertible {name}")
+    assert torch.equal(g_inv[2], g_st[2])  # dbias = sum(dy) does not depend on the input
+
+
+def test_invertible_layer_norm_zero_weight_gives_nan_not_a_wrong_value():
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.float16)
+    w = torch.ones(1024, device="cuda", dtype=torch.float16)
+    w[17] = 0
+    b = torch.randn(1024, device="cuda", dtype=torch.float16)
+    xs, ws, bs = _leaf(x), _leaf(w), _leaf(b)
+    y = _mod().ag_layer_norm(xs, None, ws, bs, 1e-5, True)[0]
+    dx, dw, db = torch.autograd.grad((y.float() ** 2).sum(), [xs, ws, bs])
+    assert torch.isnan(dx).all() and torch.isnan(dw[17])
+    assert torch.isfinite(db).all()
+
+
+# ---------------------------------------------------------------- dropout replay and the recomputing FFN node
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("shape", [(3, 7, 4096), (5, 13), (1, 1031)])
+def test_dropout_replay_is_the_forward_bit_for_bit(dtype, act, p, shape):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    b = torch.randn(shape[-1], device="cuda", dtype=dtype)
+    out, mask = _mod().bias_act_dropout_fwd(x, b, act, p)
+    again = _mod().bias_act_dropout_replay(x, b, mask if p > 0 else None, act, p)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("fp8", [0, 2], ids=["plain", "fp8"])
+def test_recomputing_node_equals_the_stored_pair_bit_for_bit(dtype, act, p, fp8):
+    if fp8 and (dtype == torch.float32 or torch.cuda.get_device_capability() < (8, 9)):
+        pytest.skip("FP8 needs bf16/fp16 and FP8 tensor cores")
+    nodes = _mod()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4, 37, 1024, device="cuda", generator=g).to(dtype)
+    b = (0.1 * torch.randn(1024, device="cuda", generator=g)).to(dtype)
+    w = (0.05 * torch.randn(256, 1024, device="cuda", generator=g)).to(dtype)
+    gy = torch.randn(4, 37, 256, device="cuda", generator=g).to(dtype)
+
+    def run(recompute):
+        ins = [_leaf(t) for t in (x, b, w)]
+        torch.manual_seed(11)
+        if recompute:
+            y = nodes.ag_bias_act_linear(ins[0], ins[1], ins[2], act, p, fp8)[0]
+        else:
+            a = nodes.ag_bias_act_dropout(ins[0], ins[1], act, p)[0]
+            y = nodes.ag_fp8_linear(a, ins[2], None, fp8 - 1) if fp8 else nodes.ag_linear(a, ins[2], None)
+        return y, torch.autograd.grad(y, ins, gy)
+
+    y_r, g_r = run(True)
+    y_s, g_s = run(False)
+    assert torch.equal(y_r, y_s)
+    for name, a, s in zip(("dx", "dbias", "dweight"), g_r, g_s):
+        assert torch.equal(a, s), name
+
+
+# ---------------------------------------------------------------- the in-place cross-entropy backward
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_entropy_backward_in_place_equals_out_of_place(dtype):
+    from ls_fairseq import ops
+
+    torch.manual_seed(0)
+    logits = torch.randn(333, 32000, device="cuda").to(dtype)
+    target = torch.randint(0, 32000, (333,), device="cuda")
+    target[::7] = 1
+    m = _mod()
+    loss, nll, lse = m.ls_cross_entropy_fwd(logits, target, 0.1, 1)
+    g1, g2 = torch.ones((), device="cuda"), torch.full((), 0.5, device="cuda")
+    apart = m.ls_cross_entropy_bwd(logits, target, lse, g1, g2, 0.1, 1, False)
+    work = logits.clone()
+    same = m.ls_cross_entropy_bwd(work, target, lse, g1, g2, 0.1, 1, True)
+    assert same.data_ptr() == work.data_ptr() and torch.equal(same, apart)
+    # through the op: the gradient reuses the logits' memory, and a second backward is refused
+    x = _leaf(logits)
+    y = x * 1
+    out = ops.label_smoothed_cross_entropy(y, target, 0.1, ignore_index=1)
+    (gx,) = torch.autograd.grad(out[0] + 0.5 * out[1], [x], retain_graph=True)
+    assert torch.equal(gx, apart)
+    with pytest.raises(RuntimeError, match="second backward"):
+        torch.autograd.grad(out[0], [x])
+
+
+def test_cross_entropy_backward_peak_is_one_vocabulary_tensor_lower():
+    from ls_fairseq import ops
+
+    N, V = 8192, 32768
+    w = torch.randn(V, 256, device="cuda", dtype=torch.float16, requires_grad=True)
+    h = torch.randn(N, 256, device="cuda", dtype=torch.float16, requires_grad=True)
+    target = torch.randint(0, V, (N,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, _ = ops.label_smoothed_cross_entropy(ops.linear(h, w), target, 0.1)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    logits_bytes = N * V * 2
+    # logits (= their gradient) plus the small gradients; out of place it would be two vocabulary tensors
+    assert extra < 1.5 * logits_bytes, (extra, logits_bytes)
+
+
+# ---------------------------------------------------------------- whole layers and a training step
+def _layer(decoder, dtype, act="gelu", pre=True):
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+
+    torch.manual_seed(3)
+    cls = DecoderLayer if decoder else EncoderLayer
+    return cls(1024, 4096, 16, dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, activation=act,
+               normalize_before=pre).to("cuda", dtype)
+
+
+def _set_modes(layer, invertible, recompute):
+    from ls_fairseq.modules.layer_norm import LayerNorm
+
+    layer.recompute_activation = recompute
+    for m in layer.modules():
+        if isinstance(m, LayerNorm):
+            m.invertible = invertible
+
+
+@pytest.mark.parametrize("decoder", [False, True], ids=["encoder", "decoder"])
+@pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
+def test_layers_with_the_modes(decoder, pre):
+    """fp16, dropout on: recompute alone is bit for bit; with the invertible layer norms too the forward is
+    bit for bit and every gradient within the fp16 tolerance of the stored path."""
+    dtype = torch.float16
+    layer = _layer(decoder, dtype, pre=pre)
+    torch.manual_seed(1)
+    x = torch.randn(8, 40, 1024, device="cuda", dtype=dtype)
+    kv = [torch.randn(8, 16, 33, 64, device="cuda", dtype=dtype) for _ in range(2)] if decoder else []
+    gy = torch.randn(8, 40, 1024, device="cuda", dtype=dtype)
+
+    def run(inv, rec):
+        _set_modes(layer, inv, rec)
+        layer.zero_grad(set_to_none=True)
+        xs = _leaf(x)
+        torch.manual_seed(7)
+        y = layer(xs, *kv)
+        y.backward(gy)
+        return y.detach(), [xs.grad] + [p.grad for p in layer.parameters()]
+
+    y0, g0 = run(False, False)
+    y1, g1 = run(False, True)
+    y2, g2 = run(True, True)
+    assert torch.equal(y0, y1) and torch.equal(y0, y2)
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert torch.equal(a, b), i
+    for i, (a, b) in enumerate(zip(g2, g0)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * max(1.0, b.abs().max().item()),
+                                   msg=lambda m: f"gradient {i}: {m}")
+
+
+def test_modes_lower_a_layers_saved_activations():
+    """The bytes a gelu pre-LN encoder layer keeps for its backward (fp16, 8192 tokens): the modes free one
+    [tokens, C] per layer norm and one [tokens, ffn] for the activation."""
+    dtype = torch.float16
+    layer = _layer(False, dtype)
+    x = torch.randn(64, 128, 1024, device="cuda", dtype=dtype, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def kept(inv, rec):
+        _set_modes(layer, inv, rec)
+        storages = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x * 1)
+        return sum(storages.values())
+
+    stored, inv, both = kept(False, False), kept(True, False), kept(True, True)
+    tok = 64 * 128
+    assert stored - inv >= 2 * tok * 1024 * 2  # two layer norms' inputs
+    assert inv - both >= tok * 4096 * 2  # the gelu output
