@@ -75,8 +75,9 @@ def epoch_flops(data, arch, vocab):
     return 3 * fwd, tgt.sum()
 
 
-MEMORY_MODES = {"ls_mem": ["--ls-invertible-layernorm", "--ls-recompute-activation"],
-                "ls_inv": ["--ls-invertible-layernorm"], "ls_recompute": ["--ls-recompute-activation"]}
+MEMORY_MODES = {"ls_mem": ["--ls-invertible-layernorm", "--ls-recompute-activation", "--ls-recompute-logits"],
+                "ls_inv": ["--ls-invertible-layernorm"], "ls_recompute": ["--ls-recompute-activation"],
+                "ls_logits": ["--ls-recompute-logits"]}
 
 
 def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
@@ -137,7 +138,7 @@ def main():
     ap.add_argument("--kinds", default="native,ls",
                     help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
                          "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format), "
-                         "ls_mem (both memory modes), ls_inv / ls_recompute (one of them)")
+                         "ls_mem (all memory modes), ls_inv / ls_recompute / ls_logits (one of them)")
     ap.add_argument("--bf16", action="store_true", help="also run ls in bf16 (native fairseq cannot)")
     ap.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"], help="fp32: CPU smoke test")
     args = ap.parse_args()

@@ -232,3 +232,66 @@ def test_decoder_selects_the_logit_rows_before_its_final_layer_norm():
         full, _ = model(src, lengths, prev)
         sel, _ = model(src, lengths, prev, logit_rows=rows)
     torch.testing.assert_close(sel, full.reshape(-1, full.shape[-1])[rows], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- logits recomputed in blocks
+@pytest.mark.parametrize("chunk", [1, 3, 4, 10, 64])
+def test_linear_cross_entropy_in_blocks_equals_the_stored_path(chunk):
+    from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_reference
+    from ls_fairseq.ops.linear_cross_entropy import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(10, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 37, (10,), generator=g)
+    t[[2, 7]] = 1  # ignored rows
+    a, r = _leaves(h, w), _leaves(h, w)
+    loss, nll, best = linear_cross_entropy(a[0], a[1], t, 0.1, 1, chunk_rows=chunk)
+    logits = F.linear(r[0], r[1])
+    rl, rn = label_smoothed_cross_entropy_reference(logits, t, 0.1, 1)
+    torch.testing.assert_close(loss.double(), rl.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(nll.double(), rn.double(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(best, logits.argmax(1))
+    ga = torch.autograd.grad(2.0 * loss + 0.5 * nll, a)
+    gr = torch.autograd.grad(2.0 * rl + 0.5 * rn, r)
+    for x, y in zip(ga, gr):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-9)
+
+
+def test_linear_cross_entropy_keeps_no_logits():
+    from ls_fairseq.ops.linear_cross_entropy import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(256, 32, generator=g, requires_grad=True)
+    w = torch.randn(2000, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 2000, (256,), generator=g)
+    _, kept = saved_bytes(lambda: linear_cross_entropy(h, w, t, 0.1, chunk_rows=64), [h, w])
+    assert kept < 256 * 2000 * 4 / 10  # target and logsumexp, not the [256, 2000] logits
+    with pytest.raises(ValueError, match="do not match"):
+        linear_cross_entropy(h, torch.randn(2000, 31), t)
+
+
+def test_criterion_with_recomputed_logits_equals_the_stored_criterion():
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask  # noqa: F401
+
+    from ls_fairseq.fairseq_ext.criterion import LSLabelSmoothedCrossEntropyCriterion
+
+    d, stored = _tiny()
+    _, blocks = _tiny(ls_recompute_logits=True)
+    blocks.load_state_dict(stored.state_dict())
+    assert blocks.decoder.recompute_logits and not stored.decoder.recompute_logits
+    task = type("T", (), {"target_dictionary": d, "source_dictionary": d})()
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1, report_accuracy=True)
+    src, lengths, prev, tgt = random_batch(d)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
+              "target": tgt, "ntokens": int(tgt.ne(d.pad()).sum())}
+    out = []
+    for model in (stored.double(), blocks.double()):
+        model.train()
+        loss, size, log = crit(model, sample)
+        loss.backward()
+        out.append((loss.detach(), log, {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-6, atol=1e-6)
+    assert out[1][1]["n_correct"] == out[0][1]["n_correct"] and out[1][1]["total"] == out[0][1]["total"]
+    for n, gs in out[0][2].items():
+        torch.testing.assert_close(out[1][2][n], gs, rtol=1e-6, atol=1e-9, msg=lambda m: f"{n}: {m}")

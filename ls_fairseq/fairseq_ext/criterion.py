@@ -32,6 +32,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from ls_fairseq.fairseq_ext.model import LSTransformerModel
 from ls_fairseq.fairseq_ext.wrappers import wrapper_chain
 from ls_fairseq.ops import label_smoothed_cross_entropy
+from ls_fairseq.ops.linear_cross_entropy import linear_cross_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         rows = sample.get(COUNTED_ROWS_KEY)
         if rows is None:
             rows = self.counted_rows(target)  # on the GPU this waits for the device (dynamic size)
+        *_, inner = wrapper_chain(model, 4)
+        decoder = inner.decoder
+        if getattr(decoder, "recompute_logits", False) and model.training and torch.is_grad_enabled():
+            return self._forward_recomputing_logits(model, sample, rows, target, decoder)
         logits, _ = model(**sample["net_input"], logit_rows=rows)
         if logits.dim() != 2 or logits.shape[0] != rows.numel():
             raise ValueError(
@@ -96,6 +101,19 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             )
         target = target.reshape(-1).index_select(0, rows)
         loss, nll_loss = label_smoothed_cross_entropy(logits, target, self.eps, ignore_index=self.padding_idx)
+        return self._outputs(sample, loss, nll_loss, target, lambda: logits.argmax(1))
+
+    def _forward_recomputing_logits(self, model, sample, rows, target, decoder):
+        """--ls-recompute-logits: the features of the counted rows, then the projection and the loss in blocks
+        that keep no logits (ls_fairseq/ops/linear_cross_entropy.py)."""
+        features, _ = model(**sample["net_input"], logit_rows=rows, features_only=True)
+        target = target.reshape(-1).index_select(0, rows)
+        loss, nll_loss, best = linear_cross_entropy(features, decoder.output_projection.weight, target, self.eps,
+                                                    ignore_index=self.padding_idx)
+        return self._outputs(sample, loss, nll_loss, target, lambda: best)
+
+    def _outputs(self, sample, loss, nll_loss, target, argmax):
+        """fairseq's (loss, sample_size, logging_output); ``argmax()`` gives each row's best token."""
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         logging_output = {
             "loss": loss.data,
@@ -106,7 +124,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         }
         if self.report_accuracy:
             counted = target.ne(self.padding_idx)  # without the alignment rows (see counted_rows)
-            logging_output["n_correct"] = utils.item((logits.argmax(1).eq(target) & counted).sum().data)
+            logging_output["n_correct"] = utils.item((argmax().eq(target) & counted).sum().data)
             logging_output["total"] = utils.item(counted.sum().data)
         return loss, sample_size, logging_output
 

@@ -46,6 +46,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         # then the causal mask alone hides every pad key from every real query and no
         # padding mask (nor a host-side test for padding) is needed. None = test each batch.
         self.right_padded_targets = None
+        self.recompute_logits = False  # --ls-recompute-logits: the criterion projects and scores in blocks
         self.share_input_output_embed = cfg.share_decoder_input_output_embed
         self.output_projection = nn.Linear(C, len(dictionary), bias=False)
         if self.share_input_output_embed:
@@ -69,9 +70,10 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 logit_rows: Optional[torch.Tensor] = None):
         """Logits [B, T, V], or with ``logit_rows`` (int64 [N] indices into the B * T flattened
         positions) logits [N, V] of those positions only: the vocabulary projection, its two
-        backward GEMMs and the loss then skip padding."""
+        backward GEMMs and the loss then skip padding. ``features_only``: the features before the
+        vocabulary projection (of those rows, with ``logit_rows``)."""
         rows = None
-        if logit_rows is not None and not features_only:
+        if logit_rows is not None:
             if incremental_state is not None:
                 raise ValueError("logit_rows is for training and scoring, not incremental decoding")
             rows = logit_rows

@@ -11,6 +11,11 @@ keeping it (ls_fairseq/ops/bias_act_linear.py): one [tokens, ffn_dim] tensor per
 elementwise pass more. A relu FFN keeps a single tensor already (relu's gradient comes from its output), so
 the flag changes nothing there.
 
+``--ls-recompute-logits``: the vocabulary projection and the loss run in blocks of rows and keep no logits for
+the backward, which makes each block's logits again (ls_fairseq/ops/linear_cross_entropy.py): one
+[target tokens, vocab] tensor less (the largest single activation of a translation model) for one more
+vocabulary GEMM.
+
 Attention dropout is never stored in the first place: the attention kernels regenerate it from the random
 generator's state in the backward. Both flags change neither the weights nor the checkpoints.
 """
@@ -29,6 +34,9 @@ def add_memory_args(parser):
                         help="gelu FFNs recompute their activation in the backward instead of keeping it: one "
                              "[tokens, ffn_dim] tensor less per layer for one elementwise pass (relu keeps one "
                              "tensor already)")
+    parser.add_argument("--ls-recompute-logits", action="store_true", default=False,
+                        help="the vocabulary projection and the loss keep no logits for the backward and make them "
+                             "again there, in blocks: one [target tokens, vocab] tensor less for one more GEMM")
 
 
 def set_memory_modes(model, args):
@@ -40,6 +48,9 @@ def set_memory_modes(model, args):
             m.invertible = invertible
         elif isinstance(m, EncoderLayer):
             m.recompute_activation = recompute
+    decoder = getattr(model, "decoder", None)
+    if decoder is not None:
+        decoder.recompute_logits = bool(getattr(args, "ls_recompute_logits", False))
     if invertible:
         model.register_load_state_dict_post_hook(_check_after_load)
 

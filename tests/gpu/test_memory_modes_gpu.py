@@ -243,3 +243,50 @@ def test_modes_lower_a_layers_saved_activations():
     tok = 64 * 128
     assert stored - inv >= 2 * tok * 1024 * 2  # two layer norms' inputs
     assert inv - both >= tok * 4096 * 2  # the gelu output
+
+
+# ---------------------------------------------------------------- logits recomputed in blocks
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [333, 4096, 9001])
+def test_linear_cross_entropy_in_blocks_against_the_stored_path(dtype, rows):
+    from ls_fairseq import ops
+    from ls_fairseq.ops.linear_cross_entropy import linear_cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    h = torch.randn(rows, 512, device="cuda", generator=g)
+    w = 0.05 * torch.randn(32000, 512, device="cuda", generator=g)
+    t = torch.randint(0, 32000, (rows,), device="cuda", generator=g)
+    t[::5] = 1
+
+    def stored(dt):
+        a = [_leaf(x, dt) for x in (h, w)]
+        loss, nll = ops.label_smoothed_cross_entropy(ops.linear(a[0], a[1]), t, 0.1, ignore_index=1)
+        return loss, torch.autograd.grad(loss * 64 + nll, a)
+
+    a = [_leaf(x, dtype) for x in (h, w)]
+    loss, nll, best = linear_cross_entropy(a[0], a[1], t, 0.1, 1, chunk_rows=4096)
+    grads = torch.autograd.grad(loss * 64 + nll, a)
+    ref_loss, ref = stored(dtype)
+    gold_loss, gold = stored(torch.float64)
+    torch.testing.assert_close(loss.double(), gold_loss, rtol=1e-3, atol=0)
+    assert abs(loss.double() - gold_loss) <= 2 * abs(ref_loss.double() - gold_loss) + 1e-5 * abs(gold_loss)
+    for name, x, lo, gd in zip(("dh", "dweight"), grads, ref, gold):
+        assert_close_to_gold(x, lo, gd, dtype, name)
+    assert torch.equal(best, ops.linear(a[0], a[1]).argmax(1))
+
+
+def test_linear_cross_entropy_peak_holds_no_logits():
+    from ls_fairseq.ops.linear_cross_entropy import linear_cross_entropy
+
+    N, V = 32768, 32768
+    h = torch.randn(N, 256, device="cuda", dtype=torch.float16, requires_grad=True)
+    w = torch.randn(V, 256, device="cuda", dtype=torch.float16, requires_grad=True)
+    t = torch.randint(0, V, (N,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, _, _ = linear_cross_entropy(h, w, t, 0.1, chunk_rows=4096)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < N * V * 2 / 4, extra  # one 4096-row block of logits and the gradients, not [N, V]
