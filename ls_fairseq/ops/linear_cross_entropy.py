@@ -72,6 +72,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss += lo
             nll += nl
             best[s:e] = logits.argmax(1)
+            del logits  # before the next block's logits exist: one block at a time
         ctx.save_for_backward(h, weight, target, lse)
         ctx.meta = (float(epsilon), int(ignore_index), int(chunk_rows), mod)
         ctx.mark_non_differentiable(best)
@@ -99,6 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(d, weight, out=dh[s:e])
             if need_w:
                 dw.addmm_(d.t(), h[s:e])
+            del logits, d
         return dh, dw, None, None, None, None, None
 
 

@@ -206,6 +206,7 @@ def test_layers_with_the_modes(decoder, pre):
         y.backward(gy)
         return y.detach(), [xs.grad] + [p.grad for p in layer.parameters()]
 
+    run(False, False)  # a first call of these shapes (kernel selection) before the compared ones
     y0, g0 = run(False, False)
     y1, g1 = run(False, True)
     y2, g2 = run(True, True)
