@@ -155,18 +155,6 @@ class LSAdam(torch.optim.Optimizer):
             self._grad_factor = self._grad_factor * clip_coef
         return total
 
-    @torch.no_grad()
-    def all_reduce_grads_(self, world_size: int, all_reduce) -> None:
-        """Average the gradients over data-parallel workers: ``all_reduce(tensor)`` (a sum over
-        the workers, in place) once per flat gradient buffer, after dividing by ``world_size``
-        (as fairseq's DDP wrappers do, which also keeps fp16 sums in range)."""
-        for ws in self._workspaces:
-            ws.sync()
-            for buf in ws.buffers:
-                if world_size > 1:
-                    buf.grad.div_(world_size)
-                all_reduce(buf.grad)
-
     def zero_grad(self, set_to_none: bool = True, in_place: bool = False):
         """Clear the gradients: ``p.grad`` becomes None (``set_to_none`` is ignored); the flat
         buffers are refilled from the next backward's gradients when they are read. With
@@ -268,7 +256,7 @@ class LSAdam(torch.optim.Optimizer):
     def shard_(self, buckets: Sequence, rank: int, world_size: int, group=None, peers=None) -> None:
         """Keep the optimizer state sharded over ``world_size`` data-parallel ranks from the next
         :meth:`step` on: this rank owns part ``rank`` of every bucket (``bucket.own(rank,
-        world_size)``, see :class:`~ls_fairseq.optim.overlap.Bucket`). The buckets must tile every
+        world_size)``, see :class:`~ls_fairseq.optim.buckets.Bucket`). The buckets must tile every
         flat buffer exactly; the gradients handed to the following steps must hold the average at
         least in the owned parts (a reduce-scatter of these buckets, or a full all-reduce).
 
