@@ -1,6 +1,7 @@
 """ls_adam's gradient all-reduce overlapped with the backward pass (ls_fairseq.optim.overlap,
-ls_fairseq.optim.reduction_strategies.OverlappedAllReduce): the bucket plan, and two gloo processes on the CPU that train one replica with the overlapped reduction and one with
-the synchronous reduction after the backward, which must agree bit for bit. Both kinds of hooks run: the
+ls_fairseq.optim.reduction_strategies.OverlappedAllReduce): the bucket plan, and two gloo processes on
+the CPU that train one replica with the overlapped reduction and one with the synchronous reduction
+after the backward, which must agree bit for bit. Both kinds of hooks run: the
 Python post-accumulate-grad hooks, and the C++ hooks of csrc/torch/grad_buckets.cpp, built here on the CPU
 as a module of its own (the extension ls_fairseq._C carries the same file on GPU machines)."""
 

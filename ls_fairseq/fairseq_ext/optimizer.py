@@ -185,15 +185,15 @@ class LSFairseqAdam(FairseqOptimizer):
                              can_overlap=not distributed_utils.use_xla() and not isinstance(group, tuple),
                              bucket_bytes=self._bucket_bytes(), shard=self._shard_requested)
 
-    def wait_for_weights(self):
-        """Make the current stream wait for the weights' all-gathers still in flight (a no-op when
-        none are): call before reading the weights outside the model's forward."""
-        self._optimizer.wait_gathers()
-
     def _drop_reduction(self):
         reduction = self.__dict__.pop("_reduction", None)
         if reduction is not None:
             reduction.remove()
+
+    def wait_for_weights(self):
+        """Make the current stream wait for the weights' all-gathers still in flight (a no-op when
+        none are): call before reading the weights outside the model's forward."""
+        self._optimizer.wait_gathers()
 
     def _bucket_bytes(self) -> int:
         """fairseq's ``--bucket-cap-mb`` (25 when this optimizer is built outside fairseq's config)."""
