@@ -9,7 +9,7 @@ import torch
 
 from ls_fairseq.optim.adam import LSAdam
 from ls_fairseq.optim.gather_waits import GatherWaits, layer_groups
-from ls_fairseq.optim.overlap import bucket_order
+from ls_fairseq.optim.buckets import bucket_order
 
 from _models import build_model, make_dict, random_batch
 

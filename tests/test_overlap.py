@@ -1,6 +1,7 @@
-"""ls_adam's gradient all-reduce overlapped with the backward pass (ls_fairseq.optim.overlap): the bucket
-plan, and two gloo processes on the CPU that train one replica with the overlapped reduction and one with
-the synchronous reduction after the backward, which must agree bit for bit. Both kinds of hooks run: the
+"""ls_adam's gradient all-reduce overlapped with the backward pass (ls_fairseq.optim.overlap,
+ls_fairseq.optim.reduction_strategies.OverlappedAllReduce): the bucket plan, and two gloo processes on
+the CPU that train one replica with the overlapped reduction and one with the synchronous reduction
+after the backward, which must agree bit for bit. Both kinds of hooks run: the
 Python post-accumulate-grad hooks, and the C++ hooks of csrc/torch/grad_buckets.cpp, built here on the CPU
 as a module of its own (the extension ls_fairseq._C carries the same file on GPU machines)."""
 
@@ -16,7 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ls_fairseq.optim.overlap import bucket_order, plan_buckets
+from ls_fairseq.optim.buckets import DEFAULT_BUCKET_MB, bucket_order, plan_buckets
+from ls_fairseq.optim.overlap import OverlappedReducer
+from ls_fairseq.optim.reduction_strategies import OverlappedAllReduce, ReduceAfterBackward
 from ls_fairseq.optim.workspace import FlatWorkspace
 
 from _cpu_builds import cached_cpu_extension
@@ -133,7 +136,7 @@ def test_one_process_installs_no_hooks():
         model(torch.randn(3, 5)).sum().backward()
         opt.all_reduce_grads(model)
         opt.step()
-    assert "_reducer" not in opt.__dict__
+    assert "_reduction" not in opt.__dict__
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
@@ -167,6 +170,19 @@ def _loss(model, rank, update, micro, use_extra):
     g = torch.Generator().manual_seed(1000 * update + 10 * micro + rank)
     x = torch.randn(5, 6, generator=g)
     return model(x, use_extra, reentrant_checkpoint=update in (2, 3)).pow(2).sum() * (rank + 1)
+
+
+def _reducer(opt):
+    """The overlapped strategy of ``opt``'s gradient reduction, or None (none set up yet, or the reduction
+    after the backward)."""
+    reduction = opt.__dict__.get("_reduction")
+    strategy = reduction.strategy if reduction is not None else None
+    return strategy if isinstance(strategy, OverlappedReducer) else None
+
+
+def _reduce_after_backward(opt):
+    """The synchronous reduction (one all-reduce per flat buffer) of ``opt``'s gradients, as reference."""
+    ReduceAfterBackward(opt._optimizer.workspaces, 2, dist.all_reduce).reduce()
 
 
 def _replicas(rank, port):
@@ -223,7 +239,7 @@ def _train(rank, port, out_dir):
                         _loss(wrapped, rank, update, micro, use_extra).backward()
                         opt.all_reduce_grads(wrapped)  # waits, as fairseq's wrapper does
                 _loss(ref, rank, update, micro, use_extra).backward()
-                reducer = opt.__dict__.get("_reducer")
+                reducer = _reducer(opt)
                 if not last:
                     assert reducer is None or not reducer.in_flight, "a no_sync backward started a round"
             r = reducer._round if reducer is not None else None
@@ -233,7 +249,7 @@ def _train(rank, port, out_dir):
             dist.all_reduce(stats)
             assert stats.item() == 1 + 2 * update
             opt.all_reduce_grads(wrapped)
-            ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)  # the synchronous path
+            _reduce_after_backward(ref_opt)  # the synchronous path
             for n, p, q in zip(names, net.parameters(), ref.parameters()):
                 if not torch.equal(p.grad, q.grad):
                     out["mismatch"].append(f"update {update} grad {n}")
@@ -243,7 +259,7 @@ def _train(rank, port, out_dir):
                 if not torch.equal(p, q):
                     out["mismatch"].append(f"update {update} param {n}")
         out["params"] = [p.detach().clone() for p in net.parameters()]
-        reducer = opt._reducer
+        reducer = _reducer(opt)
         out["cpp_hooks"] = reducer._native is not None and not reducer._handles
         out["dtypes"] = sorted({str(bk.buffer.dtype) for bk in reducer.buckets})
         out["grads_are_views"] = all(
@@ -274,7 +290,7 @@ def _train(rank, port, out_dir):
         _loss(wrapped, rank, 7, 0, True).backward()
         _loss(ref, rank, 7, 0, True).backward()
         opt.all_reduce_grads(wrapped)
-        ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)
+        _reduce_after_backward(ref_opt)
         out["after_error_equal"] = all(torch.equal(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters()))
         save_rank_result(out_dir, rank, out)
     finally:
@@ -314,8 +330,6 @@ def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive(hooks, mo
     import gc
     import weakref
 
-    from ls_fairseq.optim.overlap import OverlappedReducer
-
     class Wrapper:  # stands in for fairseq's legacy DDP wrapper (it holds the process group)
         accumulate_grads = False
 
@@ -323,7 +337,7 @@ def test_parameter_hooks_do_not_keep_the_reducer_and_its_wrapper_alive(hooks, mo
     ws = FlatWorkspace(list(net.parameters()))
     wrapper = Wrapper()
     _use_built_hooks(monkeypatch)
-    reducer = OverlappedReducer([ws], 2, None, arm=wrapper)
+    reducer = OverlappedAllReduce(bucket_order([ws], DEFAULT_BUCKET_MB << 20), 2, None, wrapper, None)
     if hooks == "cpp_hooks":  # one hook per trainable parameter
         assert reducer._native.num_hooks == 2 and not reducer._handles
     else:

@@ -1,5 +1,5 @@
 """ls_adam with its state sharded over data-parallel ranks (LSAdam.shard_, the reduce-scatter of
-ls_fairseq.optim.overlap): two gloo processes on the CPU train one replica sharded and one with the whole
+ls_fairseq.optim.reduction_strategies): two gloo processes on the CPU train one replica sharded and one with the whole
 state and the synchronous all-reduce; weights, norms and the consolidated state must agree."""
 
 import os
@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from ls_fairseq.optim.adam import LSAdam
-from ls_fairseq.optim.overlap import bucket_order, shardable
+from ls_fairseq.optim.buckets import bucket_order, shardable
 from ls_fairseq.optim.workspace import FlatWorkspace
 
 from _models import assert_same_checkpoint_state, save_rank_result, two_rank_results
-from test_overlap import _loss, _replicas
+from test_overlap import _loss, _reduce_after_backward, _replicas
 
 
 def test_shardable_needs_equal_aligned_parts():
@@ -125,7 +125,7 @@ def _worker(rank, port, out_dir):
                     _loss(wrapped, rank, update, micro, use_extra).backward()
                 _loss(ref, rank, update, micro, use_extra).backward()
             opt.all_reduce_grads(wrapped)
-            ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)
+            _reduce_after_backward(ref_opt)
             out["sharded"].append(opt.sharded)
             # updates 3 and 5 clip (a factor read from the norm), the others step with the raw gradients
             if update in (3, 5):
@@ -166,9 +166,9 @@ def _worker(rank, port, out_dir):
         opt._optimizer._grad_factor = torch.tensor(float("nan"))
         opt.step()
         out["skipped"] = all(_same(a, p) for a, p in zip(before, net.parameters()))
-        # dropping the reducer (a new wrapper) consolidates and keeps the whole state from then on
+        # dropping the reduction (a new wrapper) consolidates and keeps the whole state from then on
         opt._optimizer.forget_last_step()
-        opt._drop_reducer()
+        opt._drop_reduction()
         out["after_drop"] = (opt.sharded, opt._optimizer._stale)
         save_rank_result(out_dir, rank, out)
     finally:
@@ -210,11 +210,11 @@ def _peer_worker(rank, port, out_dir):
             _loss(wrapped, rank, update, 0, rank == 0).backward()
             _loss(ref, rank, update, 0, rank == 0).backward()
             opt.all_reduce_grads(wrapped)
-            ref_opt._optimizer.all_reduce_grads_(2, dist.all_reduce)
-            if update == 0:  # the reducer is installed now (gloo: sharded with all-gathers); give it stand-ins
+            _reduce_after_backward(ref_opt)
+            if update == 0:  # the strategy is chosen now (gloo: sharded with all-gathers); give it stand-ins
                 bufs = [buf for ws in lsadam.workspaces for buf in ws.buffers]
                 stand_in = {id(b): torch.zeros_like(b.param) for b in bufs}
-                lsadam.shard_(opt._reducer.buckets, rank, 2, lsadam._shard.group, peers=stand_in)
+                lsadam.shard_(opt._reduction.strategy.buckets, rank, 2, lsadam._shard.group, peers=stand_in)
             for t in stand_in.values():
                 t.zero_()
             out["norms"].append((float(lsadam.grad_norm()), float(ref_opt._optimizer.grad_norm())))
@@ -382,13 +382,13 @@ def test_peer_mapping_needs_every_rank_on_one_host(tmp_path):
 
 # --------------------------------------------------------------------------- peer copies
 def _peer_copies_worker(rank, port, out_dir):
-    """Two reducers over two identical _Net replicas, both sharded: one reduce-scatters with gloo, the
+    """Two strategies over two identical _Net replicas, both sharded: one reduce-scatters with gloo, the
     other copies the other rank's halves into its inbox. Here the inboxes are files both processes map
     (shared memory stands in for symmetric memory); CPU copies are synchronous. The owned halves must
     agree bit for bit in every round, across both halves of the inbox (rounds alternate between them)."""
     import datetime
 
-    from ls_fairseq.optim.overlap import OverlappedReducer
+    from ls_fairseq.optim.reduction_strategies import PeerCopyReduce, ShardedReduceScatter
     from test_overlap import _Net
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -401,15 +401,17 @@ def _peer_copies_worker(rank, port, out_dir):
     try:
         nets = {name: _Net() for name in ("copies", "scatter")}
         spaces = {name: FlatWorkspace(list(net.parameters())) for name, net in nets.items()}
-        reducers = {name: OverlappedReducer([ws], 2, dist.group.WORLD, arm=Arm(), bucket_bytes=256, shard=True)
-                    for name, ws in spaces.items()}
-        inboxes = []
+        plans = {name: bucket_order([ws], 256) for name, ws in spaces.items()}
+        inboxes = {}
         for i, buf in enumerate(spaces["copies"].buffers):
             path = lambda r: os.path.join(str(out_dir), f"inbox{i}_rank{r}.bin")  # noqa: E731
             t = {r: torch.from_file(path(r), shared=True, size=buf.numel, dtype=buf.grad.dtype) for r in (0, 1)}
-            inboxes.append((t[rank], t[1 - rank], None))
+            inboxes[id(buf)] = (t[rank], t[1 - rank], None)
         dist.barrier()  # both ranks' files exist before any copy
-        reducers["copies"].use_peer_copies(inboxes)
+        reducers = {
+            "scatter": ShardedReduceScatter(plans["scatter"], 2, dist.group.WORLD, Arm(), None, rank),
+            "copies": PeerCopyReduce(plans["copies"], 2, dist.group.WORLD, Arm(), None, rank, inboxes),
+        }
         out["buckets"] = len(reducers["copies"].buckets)
         for update in range(5):
             for name, net in nets.items():
@@ -418,10 +420,10 @@ def _peer_copies_worker(rank, port, out_dir):
                 _loss(net, rank, update, 0, update != 3).backward()
                 assert reducers[name].finish()
             reducer = reducers["copies"]
-            for n, own in enumerate(reducer._own):
-                if not torch.equal(own, reducers["scatter"]._own[n]):
+            for n, own in enumerate(reducer.owned):
+                if not torch.equal(own, reducers["scatter"].owned[n]):
                     out["mismatch"].append(f"update {update} bucket {n}")
-            out["rounds"] = reducer._peer.rounds
+            out["rounds"] = reducer.rounds
         save_rank_result(out_dir, rank, out)
     finally:
         dist.destroy_process_group()
@@ -435,14 +437,17 @@ def test_peer_copies_equal_the_reduce_scatter_on_two_ranks(tmp_path):
 
 
 def test_peer_copies_check_their_inboxes():
-    from ls_fairseq.optim.overlap import OverlappedReducer
+    from ls_fairseq.optim.reduction_strategies import PeerCopyReduce
 
     class Arm:
         accumulate_grads = False
 
     net = torch.nn.Linear(16, 16)
     ws = FlatWorkspace(list(net.parameters()))
-    whole = OverlappedReducer([ws], 2, None, arm=Arm(), bucket_bytes=256)
+    (buf,) = ws.buffers
+    buckets = bucket_order([ws], 256)
     with pytest.raises(ValueError, match="sharded over two ranks"):
-        whole.use_peer_copies([(torch.zeros_like(ws.buffers[0].grad),) * 2 + (None,)])
-    whole.remove()
+        PeerCopyReduce(buckets, 4, None, Arm(), None, 0, {id(buf): (torch.zeros_like(buf.grad),) * 2 + (None,)})
+    with pytest.raises(ValueError, match="must match its flat gradient buffer"):
+        PeerCopyReduce(buckets, 2, None, Arm(), None, 0, {id(buf): (torch.zeros(buf.numel + 1),) * 2 + (None,)})
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())  # refused before any hook

@@ -15,17 +15,15 @@ It works under every fairseq precision mode:
   :meth:`clip_grad_norm` returns the (possibly non-finite) gradient norm, which is what the
   wrapper's overflow check reads.
 
-Sharded state. On several GPUs, once :meth:`LSFairseqAdam.request_sharding` was called (the
-deferred step of ``lightseq-train`` does: by default, ``LS_FAIRSEQ_SHARD_ADAM=p2p``, only where the
-ranks can write each other's weights; with ``=1`` always; ``=0`` keeps the whole state on every rank), the
-overlapped gradient reduction becomes a reduce-scatter and each rank updates only its own part of the
-state, then all-gathers the weights (:class:`~ls_fairseq.optim.adam.LSAdam`). On
-two GPUs the update kernel writes the new weights into both GPUs' copies instead, through PyTorch
-symmetric memory (:mod:`ls_fairseq.optim.peer`; ``LS_FAIRSEQ_SHARD_P2P=0`` keeps the all-gathers).
-Checkpoints still hold the whole state: fairseq consolidates the optimizer on every rank before
-saving, so they load on any number of GPUs. For models that allow it (``ls_gather_waits``, as
-ls_transformer), the all-gathers of the new weights overlap the next forward pass, which waits
-for them layer by layer (:mod:`ls_fairseq.optim.gather_waits`).
+Several GPUs. Under ``--ddp-backend legacy_ddp`` the gradients are averaged in the flat buffers
+themselves: :meth:`LSFairseqAdam.all_reduce_grads` hands that to one
+:class:`~ls_fairseq.optim.reduction.GradReduction` per DDP wrapper, which decides how (after the
+backward, or in buckets while it runs) and does it. Once :meth:`LSFairseqAdam.request_sharding` was
+called (the deferred step of ``lightseq-train`` does: by default, ``LS_FAIRSEQ_SHARD_ADAM=p2p``, only where
+the ranks can write each other's weights; with ``=1`` always; ``=0`` keeps the whole state on every rank)
+the buckets are reduce-scattered and each rank updates only its own part of the state
+(:class:`~ls_fairseq.optim.adam.LSAdam`). Checkpoints still hold the whole state: fairseq consolidates
+the optimizer on every rank before saving, so they load on any number of GPUs.
 """
 
 import ast
@@ -41,7 +39,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 
 from ls_fairseq.fairseq_ext.wrappers import wrapper_chain
 from ls_fairseq.optim.adam import LSAdam, check_hyperparams
-from ls_fairseq.optim.overlap import DEFAULT_BUCKET_MB
+from ls_fairseq.optim.buckets import DEFAULT_BUCKET_MB
 from ls_fairseq import env
 
 logger = logging.getLogger(__name__)
@@ -126,14 +124,17 @@ class LSFairseqAdam(FairseqOptimizer):
         if on not in (True, False, "p2p"):
             raise ValueError(f"ls_adam: request_sharding takes True, False or 'p2p', not {on!r}")
         self._shard_requested = on
+        reduction = self.__dict__.get("_reduction")
+        if reduction is not None:
+            reduction.shard = on  # read when it chooses its strategy (after its first update)
 
     @property
     def sharded(self) -> bool:
         return self._optimizer.sharded
 
     def zero_grad(self, in_place: bool = False):
-        if self.__dict__.get("_reducer") is not None:
-            self._reducer.finish()  # a round nobody closed (an error between backward and step)
+        if self.__dict__.get("_reduction") is not None:
+            self._reduction.finish()  # a round nobody closed (an error between backward and step)
         self._optimizer.zero_grad(in_place=in_place)
 
     def all_reduce_grads(self, module):
@@ -141,117 +142,58 @@ class LSFairseqAdam(FairseqOptimizer):
 
         fairseq's legacy wrapper copies every gradient into a staging buffer of its own, reduces
         it piecewise after the backward and copies the results back; the flat workspace already
-        holds all gradients in one buffer per dtype, so it is reduced in place. The first update
-        reduces after the backward (one all-reduce per buffer) and then installs an
-        :class:`~ls_fairseq.optim.overlap.OverlappedReducer`: from the next update on, buckets of
-        the buffers are all-reduced while the backward runs and this call only waits for them.
-        ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1`` keeps the reduction after the backward. Any other
-        wrapper is left to fairseq."""
+        holds all gradients in one buffer per dtype, so they are reduced in place, by the
+        :class:`~ls_fairseq.optim.reduction.GradReduction` of the wrapper: after the backward in the
+        first update, from then on in buckets while the backward runs (this call only waits for
+        them). Any other wrapper is left to fairseq."""
         ddp = _legacy_ddp(module)
-        if ddp is not None and self._flat_all_reduce_applies(ddp):
-            if ddp.accumulate_grads:  # inside no_sync (--update-freq): fairseq's wrapper waits too
-                return
-            reducer = self.__dict__.get("_reducer")
-            if reducer is not None and reducer.finish():
-                return
-            # first update, or no armed backward since the last reduction: reduce now
-            from fairseq.distributed import utils as distributed_utils
-
-            group = ddp.process_group
-            self._optimizer.all_reduce_grads_(ddp.world_size, lambda t: distributed_utils.all_reduce(t, group))
-            if reducer is None and self._overlap_applies(ddp):
-                self._install_reducer(ddp, group)
+        reduction = self._reduction_of(ddp) if ddp is not None else None
+        if reduction is None:
+            super().all_reduce_grads(module)
             return
-        super().all_reduce_grads(module)
+        reduction.reduce()
 
-    def _install_reducer(self, ddp, group):
-        from ls_fairseq.optim.overlap import OverlappedReducer, bucket_order, shardable
-
-        bucket_bytes = self._bucket_bytes()
-        shard = self._shard_requested
-        if shard and not shardable(bucket_order(self._optimizer.workspaces, bucket_bytes), ddp.world_size):
-            logger.info("ls_adam: optimizer state not sharded: the gradient buckets do not split into %d equal "
-                        "parts (a world size that is a power of two does)", ddp.world_size)
-            shard = False
-        peers = None
-        if shard:
-            import torch.distributed as dist
-
-            from ls_fairseq.optim.peer import map_peer_weights
-
-            only_p2p = shard == "p2p"
-            peers = map_peer_weights(self._optimizer.workspaces, dist.get_rank(group), ddp.world_size, group,
-                                     fallback="optimizer state not sharded" if only_p2p else
-                                     "sharded weights are all-gathered")
-            shard = not (only_p2p and peers is None)
-        self._reducer = reducer = OverlappedReducer(
-            self._optimizer.workspaces, ddp.world_size, group, arm=ddp, bucket_bytes=bucket_bytes, shard=shard)
-        if shard:
-            # the gradients of this update were all-reduced whole: the step may already be sharded
-            self._optimizer.shard_(reducer.buckets, reducer.rank, ddp.world_size, group, peers=peers)
-            if peers:
-                import torch.distributed as dist
-
-                from ls_fairseq.optim.peer import map_peer_inboxes
-
-                boxes = map_peer_inboxes(self._optimizer.workspaces, dist.get_rank(group), ddp.world_size, group)
-                if isinstance(boxes, str):
-                    logger.info("ls_adam: gradient parts reduce-scattered by NCCL (no peer copies: %s)", boxes)
-                else:
-                    reducer.use_peer_copies(boxes)
-            logger.info("ls_adam: optimizer state sharded over %d ranks (Adam on 1/%d of it per rank, %s)",
-                        ddp.world_size, ddp.world_size,
-                        "writing the new weights on both GPUs" if peers else "then an all-gather of the weights")
-            if peers is None and getattr(ddp.module, "ls_gather_waits", False):
-                from ls_fairseq.optim.gather_waits import GatherWaits
-
-                self._gather_waits = GatherWaits(self._optimizer, ddp.module)
-
-    def _flat_all_reduce_applies(self, ddp) -> bool:
-        """Whether ``ddp``'s trainable parameters all live in our flat workspace (on one device,
-        no MoE experts). The parameter sets do not change during training: decided once per wrapper
-        (a new wrapper takes the overlap hooks of the previous one off)."""
+    def _reduction_of(self, ddp):
+        """The reduction of ``ddp``'s gradients, or None where they are not all in our flat workspace
+        (on one device, no MoE experts). The parameter sets do not change during training: decided
+        once per wrapper (a new wrapper takes the reduction of the previous one off); a parameter group
+        added since gets a new reduction (its buckets cover the new buffers from the next update on)."""
         seen = self.__dict__.get("_flat_reduce_decision")
         if seen is None or seen[0] is not ddp:
-            self._drop_reducer()
+            self._drop_reduction()
             ours = {id(p) for ws in self._optimizer.workspaces for p in ws.params}
             mine = [p for p in ddp.module.parameters() if p.requires_grad]
             ok = len(ddp.per_device_params) == 1 and all(id(p) in ours and not hasattr(p, "expert") for p in mine)
-            seen = self._flat_reduce_decision = (ddp, ok)
-        elif self.__dict__.get("_reducer") is not None and not self._reducer.covers(self._optimizer.workspaces):
-            # a parameter group was added: rebuild the buckets (from the next update on)
-            if self._reducer.in_flight:
+            self._flat_reduce_decision = (ddp, ok)
+            if ok:
+                self._reduction = self._new_reduction(ddp)
+        elif self.__dict__.get("_reduction") is not None and not self._reduction.covers(self._optimizer.workspaces):
+            if self._reduction.in_flight:
                 raise RuntimeError("ls_adam: a parameter group was added during an update whose gradients "
                                    "were being all-reduced; add parameter groups between updates")
-            self._drop_reducer()
-        return seen[1]
+            self._drop_reduction()
+            self._reduction = self._new_reduction(ddp)
+        return self.__dict__.get("_reduction")
 
-    def _overlap_applies(self, ddp) -> bool:
-        """Overlap needs a real process group of two or more workers (not XLA) and post-accumulate-grad
-        hooks (torch >= 2.1); ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1`` turns it off."""
-        import torch
+    def _new_reduction(self, ddp):
         from fairseq.distributed import utils as distributed_utils
 
-        if env.sync_all_reduce() or ddp.world_size < 2:
-            return False
-        if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
-            return False
-        return not distributed_utils.use_xla() and not isinstance(ddp.process_group, tuple)
+        from ls_fairseq.optim.reduction import GradReduction
+
+        group = ddp.process_group
+        return GradReduction(self._optimizer, ddp, lambda t: distributed_utils.all_reduce(t, group),
+                             can_overlap=not distributed_utils.use_xla() and not isinstance(group, tuple),
+                             bucket_bytes=self._bucket_bytes(), shard=self._shard_requested)
+
+    def _drop_reduction(self):
+        reduction = self.__dict__.pop("_reduction", None)
+        if reduction is not None:
+            reduction.remove()
 
     def wait_for_weights(self):
         """Make the current stream wait for the weights' all-gathers still in flight (a no-op when
         none are): call before reading the weights outside the model's forward."""
         self._optimizer.wait_gathers()
-
-    def _drop_reducer(self):
-        waits = self.__dict__.pop("_gather_waits", None)
-        if waits is not None:
-            waits.remove()
-        reducer = self.__dict__.pop("_reducer", None)
-        if reducer is not None:
-            reducer.remove()
-        if self._optimizer.sharded:  # every rank drops its reducer at the same update: collective is safe
-            self._optimizer.unshard_()
 
     def _bucket_bytes(self) -> int:
         """fairseq's ``--bucket-cap-mb`` (25 when this optimizer is built outside fairseq's config)."""

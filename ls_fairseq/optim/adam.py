@@ -19,16 +19,16 @@ gradients or parameters replaced between the two are not seen by that step.
 Every parameter is updated at every step (a parameter that received no gradient sees a
 zero gradient, as under fairseq's flat ``--fp16`` optimizer); the step count is per group.
 
-Sharded state (:meth:`LSAdam.shard_`, data-parallel training). Rank r of W owns part r of
-every all-reduce bucket of the flat buffers. The gradients arrive reduce-scattered: only the
-owned parts hold the average. :meth:`grad_norm` sums the squares of the owned parts and
-all-reduces that one number; :meth:`step` runs Adam on the owned parts, then all-gathers the
-weights each bucket at a time (the fp16 / bf16 copy, or the fp32 weights themselves), so every
-rank ends the step with all the new weights while it read and wrote only 1/W of the optimizer
-state. With two ranks and peer-mapped weights (``shard_(..., peers=...)``) there is no all-gather: one
-update launch per flat buffer covers all the owned parts and writes them into the other GPU's weights
-as well. The other parts of the master weights and moments go stale on this rank.
-:meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
+Sharded state (:meth:`LSAdam.shard_`, data-parallel training). Rank r of W owns part r of every
+all-reduce bucket of the flat buffers (:class:`~ls_fairseq.optim.shard.Shard`). The gradients arrive
+reduce-scattered: only the owned parts hold the average. :meth:`grad_norm` sums the squares of the
+owned parts and all-reduces that one number; :meth:`step` runs Adam on the owned parts, then
+all-gathers the weights each bucket at a time (the fp16 / bf16 copy, or the fp32 weights
+themselves), so every rank ends the step with all the new weights while it read and wrote only 1/W
+of the optimizer state. With two ranks and peer-mapped weights (``shard_(..., peers=...)``) there is
+no all-gather: one update launch per flat buffer covers all the owned parts and writes them into the
+other GPU's weights as well. The other parts of the master weights and moments go stale on this
+rank. :meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
 a checkpoint) all-gathers them; :meth:`state_dict` refuses to return stale state.
 
 Deferred all-gathers (:meth:`LSAdam.defer_gathers`). By default :meth:`step` makes the stream wait
@@ -46,13 +46,14 @@ parameters, so a checkpoint resumes exactly even when it holds only low-precisio
 """
 
 import logging
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ls_fairseq.ops import adam_, grad_norm as flat_grad_norm
 from ls_fairseq.ops.adam import MODES
+from ls_fairseq.optim.shard import Shard
 from ls_fairseq.optim.workspace import FlatWorkspace, unique_params
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class LSAdam(torch.optim.Optimizer):
         self._workspaces: List[FlatWorkspace] = []
         self._steps: List[int] = []
         self._grad_factor = 1.0
-        self._shard = None   # _Shard while the state is sharded across data-parallel ranks
+        self._shard = None   # a Shard while the state is sharded across data-parallel ranks
         self._stale = False  # the parts other ranks own are out of date here (consolidate first)
         self._gathers = {}   # bucket key -> all-gather in flight (deferred gathers)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, mode=mode)
@@ -154,18 +155,6 @@ class LSAdam(torch.optim.Optimizer):
             clip_coef = (float(max_norm) / (total + 1e-6)).clamp_(max=1)
             self._grad_factor = self._grad_factor * clip_coef
         return total
-
-    @torch.no_grad()
-    def all_reduce_grads_(self, world_size: int, all_reduce) -> None:
-        """Average the gradients over data-parallel workers: ``all_reduce(tensor)`` (a sum over
-        the workers, in place) once per flat gradient buffer, after dividing by ``world_size``
-        (as fairseq's DDP wrappers do, which also keeps fp16 sums in range)."""
-        for ws in self._workspaces:
-            ws.sync()
-            for buf in ws.buffers:
-                if world_size > 1:
-                    buf.grad.div_(world_size)
-                all_reduce(buf.grad)
 
     def zero_grad(self, set_to_none: bool = True, in_place: bool = False):
         """Clear the gradients: ``p.grad`` becomes None (``set_to_none`` is ignored); the flat
@@ -267,42 +256,19 @@ class LSAdam(torch.optim.Optimizer):
 
     def shard_(self, buckets: Sequence, rank: int, world_size: int, group=None, peers=None) -> None:
         """Keep the optimizer state sharded over ``world_size`` data-parallel ranks from the next
-        :meth:`step` on: this rank owns part ``rank`` of every bucket (``bucket.own(rank,
-        world_size)``, see :class:`~ls_fairseq.optim.overlap.Bucket`). The buckets must tile every
-        flat buffer exactly; the gradients handed to the following steps must hold the average at
-        least in the owned parts (a reduce-scatter of these buckets, or a full all-reduce).
+        :meth:`step` on: this rank owns part ``rank`` of every bucket (:class:`~ls_fairseq.optim.shard.Shard`
+        checks that the buckets tile every flat buffer). The gradients handed to the following steps must
+        hold the average at least in the owned parts (a reduce-scatter of these buckets, or a full all-reduce).
 
         ``peers`` (two ranks; :func:`ls_fairseq.optim.peer.map_peer_weights`): ``{id(buffer): the
         other rank's copy of that buffer's weights, addressable from this device}``. The update then
         writes each owned part on both GPUs in the same kernel, and a one-element all-reduce at the
         end of :meth:`step` replaces the all-gathers."""
-        if world_size < 2 or not 0 <= rank < world_size:
-            raise ValueError(f"ls_adam: cannot shard over world size {world_size} as rank {rank}")
+        buffers = [buf for ws in self._workspaces for buf in ws.buffers]
+        shard = Shard(buckets, rank, world_size, group, buffers, peers)  # checked before anything changes
         if self._shard is not None:
             self.unshard_()
-        parts: Dict[int, List[Tuple[int, int, int, int]]] = {}
-        for bk in buckets:
-            lo, hi = bk.own(rank, world_size)
-            parts.setdefault(id(bk.buffer), []).append((bk.start, bk.end, lo, hi))
-        buffers = {id(buf): buf for ws in self._workspaces for buf in ws.buffers}
-        if set(parts) != set(buffers):
-            raise ValueError("ls_adam: the shard buckets do not cover exactly this optimizer's flat buffers")
-        for key, ranges in parts.items():
-            covered = sorted((s, e) for s, e, _, _ in ranges)
-            ends = [0] + [e for _, e in covered]
-            if [s for s, _ in covered] != ends[:-1] or ends[-1] != buffers[key].numel:
-                raise ValueError("ls_adam: the shard buckets do not tile a flat buffer exactly")
-            for s, e, lo, hi in ranges:
-                if (e - s) != world_size * (hi - lo):
-                    raise ValueError(f"ls_adam: bucket [{s}, {e}) does not split into {world_size} equal parts")
-        if peers:
-            if world_size != 2:
-                raise ValueError(f"ls_adam: peer writes serve two ranks, not {world_size}")
-            for key, t in peers.items():
-                buf = buffers.get(key)
-                if buf is None or t.shape != buf.param.shape or t.dtype != buf.param.dtype:
-                    raise ValueError("ls_adam: a peer weight buffer does not match this optimizer's flat buffers")
-        self._shard = _Shard(rank, world_size, group, parts, peers or None)
+        self._shard = shard
 
     def bucket_key(self, p: torch.Tensor):
         """The key of the shard bucket holding parameter ``p`` (what :meth:`wait_gathers` takes), or
@@ -315,10 +281,7 @@ class LSAdam(torch.optim.Optimizer):
                 buf, i = ws.locate(p)
             except KeyError:
                 continue
-            o = buf.offsets[i][0]
-            for start, end, _, _ in shard.parts.get(id(buf), ()):
-                if start <= o < end:
-                    return (id(buf), start)
+            return shard.bucket_key(buf, buf.offsets[i][0])
         return None
 
     def defer_gathers(self, need: Dict) -> None:
@@ -327,10 +290,7 @@ class LSAdam(torch.optim.Optimizer):
         :meth:`bucket_key`, missing keys last)."""
         if self._shard is None:
             raise RuntimeError("ls_adam: defer_gathers needs sharded state (shard_ first)")
-        big = float("inf")
-        for key_buf, ranges in self._shard.parts.items():
-            ranges.sort(key=lambda r, b=key_buf: (need.get((b, r[0]), big), r[0]))
-        self._shard.defer = True
+        self._shard.order_by(need)
 
     def wait_gathers(self, keys=None) -> None:
         """Make the current stream wait for the deferred all-gathers of ``keys`` (all when None)."""
@@ -452,19 +412,3 @@ class LSAdam(torch.optim.Optimizer):
     @property
     def steps(self) -> List[int]:
         return list(self._steps)
-
-
-class _Shard:
-    """Where this rank's parts lie: ``parts[id(buffer)]`` = [(start, end, lo, hi)] per bucket."""
-
-    __slots__ = ("rank", "world_size", "group", "parts", "ranges", "defer", "peers", "flag")
-
-    def __init__(self, rank, world_size, group, parts, peers=None):
-        self.rank, self.world_size, self.group, self.parts = rank, world_size, group, parts
-        # id(buffer) -> the owned (lo, hi) ranges in ascending order (one norm / one update call per buffer)
-        self.ranges = {key: sorted((lo, hi) for _, _, lo, hi in ranges) for key, ranges in parts.items()}
-        self.defer = False  # leave the step's all-gathers in flight (defer_gathers)
-        self.peers = peers  # id(buffer) -> the peer's weights (the step writes them; no all-gathers)
-        self.flag = None
-        if peers:
-            self.flag = torch.zeros(1, dtype=torch.int32, device=next(iter(peers.values())).device)

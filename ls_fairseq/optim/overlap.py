@@ -1,15 +1,15 @@
-"""Data-parallel gradient all-reduce overlapped with the backward pass, over a flat workspace.
+"""The backward-time part of the overlapped gradient reduction, shared by its strategies.
 
-Without it the gradients of a :class:`~ls_fairseq.optim.workspace.FlatWorkspace` are averaged
-after the backward pass: one all-reduce per flat gradient buffer that nothing runs beside.
-:class:`OverlappedReducer` starts the reduction while the backward is still running:
+Without it the gradients of a :class:`~ls_fairseq.optim.workspace.FlatWorkspace` are averaged after the
+backward pass: one all-reduce per flat gradient buffer that nothing runs beside.
+:class:`OverlappedReducer` starts the reduction while the backward is still running; its subclasses
+(:mod:`ls_fairseq.optim.reduction_strategies`) pick the collective of a complete bucket.
 
-* Buckets. Each flat gradient buffer is cut into contiguous ranges of about ``bucket_bytes``
-  at parameter boundaries, formed from the END of the buffer (:mod:`ls_fairseq.optim.buckets`): the
-  backward produces the gradients of the last layers first, so the first bucket to complete
-  is the tail of the buffer. With several buffers (say fp32 and fp16 parameters) each gets
-  buckets of its own; one global order interleaves them by the position of each bucket's
-  first parameter in the optimizer's parameter list (:func:`~ls_fairseq.optim.buckets.bucket_order`).
+* Buckets. Each flat gradient buffer is cut into contiguous ranges of about ``bucket_bytes`` at
+  parameter boundaries, formed from the END of the buffer (:mod:`ls_fairseq.optim.buckets`): the
+  backward produces the gradients of the last layers first, so the first bucket to complete is the tail
+  of the buffer. One global order interleaves the buckets of several buffers (say fp32 and fp16
+  parameters) by the position of each bucket's first parameter in the optimizer's parameter list.
 * Hooks. Every trainable parameter carries a hook that runs after its gradient is accumulated.
   When it fires while the reduction is armed, it counts the parameter done. Where the extension
   has them (``ls_fairseq._C.GradBuckets``, csrc/torch/grad_buckets.cpp) the hooks sit on the
@@ -20,8 +20,8 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   writes the bucket's gradients into its range of the flat buffer in one multi-tensor copy,
   divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
   fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
-  hands the bucket to an asynchronous ``all_reduce(SUM)``: a few kernels per bucket, not one
-  per parameter.
+  hands the bucket to the strategy's asynchronous collective (``_launch``): a few kernels per bucket,
+  not one per parameter.
   Buckets are launched strictly in the global order, so every rank issues the same
   collectives in the same sequence whatever order its hooks fire in.
 * End of the backward. The first hook of a round queues a callback that runs when the
@@ -33,25 +33,10 @@ after the backward pass: one all-reduce per flat gradient buffer that nothing ru
   as PyTorch's DDP does: a collective issued between the backward and the optimizer
   (fairseq's Trainer all-reduces its logging statistics there) cannot interleave with them on
   one rank and not on another, even when a parameter got a gradient on one rank only.
-* :meth:`OverlappedReducer.finish` (after the backward) waits for the round's collectives.
-  On NCCL ``work.wait()`` makes the current CUDA stream wait; the host never blocks.
-* Sharded optimizer state (``shard=True``). Each bucket is split into ``world_size`` equal
-  parts and rank r owns part r (:meth:`~ls_fairseq.optim.buckets.Bucket.own`). The bucket then goes out as a
-  ``reduce_scatter(SUM)`` in place: only the owned part receives the average, which is all
-  that :class:`~ls_fairseq.optim.adam.LSAdam` reads when it updates that part only and
-  all-gathers the weights afterwards. It moves half the bytes of an all-reduce while the
-  backward runs. :func:`~ls_fairseq.optim.buckets.shardable` says whether every bucket splits evenly.
-* Peer copies (two ranks whose GPUs map each other's memory, :meth:`OverlappedReducer.use_peer_copies`).
-  Instead of NCCL's reduce-scatter, each complete bucket's part that the other rank owns is copied
-  into that rank's "inbox" (symmetric memory) by a copy engine, from a stream of the reducer's own;
-  :meth:`OverlappedReducer.finish` waits for both ranks' copies (a one-element all-reduce: each rank
-  enters it after its own copies) and adds the inbox to the owned parts. Rounds alternate between
-  two halves of the inbox (the part this rank owns, and the other, otherwise unused), so a rank's
-  copies never overwrite what the other has not added yet: its copies of round k + 2 follow its
-  all-reduce of round k + 1, which the other rank enters after its additions of round k. NCCL's kernels wait on the
-  GPU for the other rank's matching call, holding SMs that the backward's kernels need while they
-  wait (on two H200s the backward took 1.5 ms longer with them running beside it); a copy engine
-  holds none. Both give the same sums: one addition of two numbers per element.
+* :meth:`OverlappedReducer.finish` (after the backward) waits for the round's collectives, then lets
+  the strategy settle (``_settle``). On NCCL ``work.wait()`` makes the current CUDA stream wait; the
+  host never blocks. :meth:`OverlappedReducer.reduce` falls back on the reduction after the backward
+  when no armed backward ran since the last call.
 
 Armed means: the ``arm`` object's ``accumulate_grads`` is False (fairseq's legacy DDP wrapper
 sets it inside ``no_sync()``, for all but the last micro-batch of ``--update-freq``). An
@@ -71,18 +56,10 @@ import weakref
 from typing import List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ls_fairseq import _ext
-from ls_fairseq.optim.buckets import (
-    DEFAULT_BUCKET_MB,
-    SHARD_ALIGN_ELEMENTS,
-    Bucket,
-    bucket_order,
-    plan_buckets,
-    shardable,
-)
-from ls_fairseq.optim.workspace import FlatBuffer, FlatWorkspace
+from ls_fairseq.optim.buckets import Bucket
+from ls_fairseq.optim.workspace import FlatBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -123,31 +100,24 @@ _autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 class OverlappedReducer:
-    """Average the gradients of ``workspaces`` over ``process_group`` during the backward pass.
+    """Reduce the gradients in ``buckets`` (:func:`~ls_fairseq.optim.buckets.bucket_order`) over
+    ``group`` of ``world_size`` ranks during the backward pass; a subclass says how (``_launch``).
 
     ``arm`` is any object with a boolean ``accumulate_grads`` (fairseq's legacy DDP wrapper):
-    hooks act only while it is False. Install once; :meth:`finish` after each armed backward;
+    hooks act only while it is False. ``after_backward`` (a
+    :class:`~ls_fairseq.optim.reduction_strategies.ReduceAfterBackward`) reduces an update whose backward
+    did not arm the hooks. Install once; :meth:`reduce` (or :meth:`finish`) after each armed backward;
     :meth:`remove` takes the hooks off again.
     """
 
-    def __init__(self, workspaces: Sequence[FlatWorkspace], world_size: int, process_group, arm,
-                 bucket_bytes: int = DEFAULT_BUCKET_MB << 20, shard: bool = False):
+    def __init__(self, buckets: Sequence[Bucket], world_size: int, group, arm, after_backward):
         if world_size < 2:
             raise ValueError("overlapped all-reduce: needs a world size of at least 2")
-        self.workspaces = list(workspaces)
-        self.buffers = [buf for ws in self.workspaces for buf in ws.buffers]
+        self.buckets = list(buckets)
         self.world_size = world_size
-        self.process_group = process_group
+        self.group = group
         self.arm = arm
-        self.bucket_bytes = bucket_bytes
-        self.buckets = bucket_order(self.workspaces, bucket_bytes)
-        self.rank = None
-        if shard:
-            if not shardable(self.buckets, world_size):
-                raise ValueError(f"overlapped reduce-scatter: the buckets do not split into {world_size} equal, "
-                                 "aligned parts (see shardable())")
-            self.rank = dist.get_rank(process_group)
-        self._own = [bk.buffer.grad[slice(*bk.own(self.rank, world_size))] for bk in self.buckets] if shard else None
+        self.after_backward = after_backward
         # one slot per (buffer, parameter), numbered bucket by bucket
         self._slots: List[Tuple[FlatBuffer, int, int]] = []  # slot -> (buffer, index, bucket)
         self._sizes = []
@@ -157,7 +127,6 @@ class OverlappedReducer:
             self._sizes.append(len(bk.members))
         self._round = None
         self._told_missed = False
-        self._peer = None  # _PeerCopies, see use_peer_copies
         self._handles = []
         self._native = None  # the C++ hooks (GradBuckets), when used
         native_cls = _grad_buckets_class()
@@ -176,50 +145,27 @@ class OverlappedReducer:
                 self._native.attach(s)
             else:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(s)))
-        logger.info(
-            "ls_adam: gradient %s overlapped with the backward pass (%d buckets of ~%.1f MB, %s hooks)",
-            "reduce-scatter" if shard else "all-reduce", len(self.buckets), bucket_bytes / 2**20,
-            "Python" if self._native is None else "C++",
-        )
-
-    def use_peer_copies(self, inboxes) -> None:
-        """Move each complete bucket's other part to the peer by a copy engine instead of NCCL's
-        reduce-scatter (two ranks, sharded). ``inboxes``: per flat buffer, in the order of
-        ``self.buffers``, (this rank's inbox, the peer's inbox as addressable from this device, an object
-        to keep alive with them or None): gradient-sized tensors
-        (:func:`ls_fairseq.optim.peer.map_peer_inboxes`)."""
-        if not self.sharded or self.world_size != 2:
-            raise ValueError("peer copies: the reduction must be sharded over two ranks")
-        if len(inboxes) != len(self.buffers):
-            raise ValueError(f"peer copies: {len(inboxes)} inboxes for {len(self.buffers)} buffers")
-        box, keep = {}, []
-        for buf, (mine, theirs, keep_alive) in zip(self.buffers, inboxes):
-            keep.append(keep_alive)
-            for t in (mine, theirs):
-                if t.shape != buf.grad.shape or t.dtype != buf.grad.dtype or t.device != buf.grad.device:
-                    raise ValueError("peer copies: an inbox must match its flat gradient buffer")
-            box[id(buf)] = (mine, theirs)
-        peer = 1 - self.rank
-        incoming, outgoing = ([], []), ([], [])
-        for n, bk in enumerate(self.buckets):
-            mine, theirs = box[id(bk.buffer)]
-            olo, ohi = bk.own(self.rank, 2)
-            plo, phi = bk.own(peer, 2)
-            incoming[0].append(mine[olo:ohi])
-            incoming[1].append(mine[plo:phi])
-            outgoing[0].append((theirs[plo:phi], bk.buffer.grad[plo:phi]))
-            outgoing[1].append((theirs[olo:ohi], bk.buffer.grad[plo:phi]))
-        self._peer = _PeerCopies(self.buffers[0].grad.device, incoming, outgoing, keep)
-        logger.info("ls_adam: gradient parts copied to the other GPU by a copy engine (no NCCL reduce-scatter)")
 
     @property
-    def sharded(self) -> bool:
-        """Whether buckets are reduce-scattered (each rank gets the average of its own parts only)."""
-        return self.rank is not None
+    def native_hooks(self) -> bool:
+        """Whether the hooks are the extension's C++ ones (else Python post-accumulate-grad hooks)."""
+        return self._native is not None
 
-    def covers(self, workspaces: Sequence[FlatWorkspace]) -> bool:
-        """Whether this reducer was built for exactly these workspaces' buffers."""
-        return [buf for ws in workspaces for buf in ws.buffers] == self.buffers
+    # ------------------------------------------------------------------ what a strategy provides
+    def _launch(self, n: int):
+        """Start the collective of bucket ``n`` (complete, divided by the world size); return its work
+        (``finish`` waits for it), or None when there is nothing to wait for."""
+        raise NotImplementedError
+
+    def _settle(self) -> None:
+        """After the round's collectives were waited for."""
+
+    # ------------------------------------------------------------------ the interface
+    def reduce(self) -> None:
+        """Wait for the collectives this update's backward started; where no armed backward ran since
+        the last call, reduce after the backward instead."""
+        if not self.finish():
+            self.after_backward.reduce()
 
     def remove(self):
         """Take the hooks off (after waiting for a round in flight)."""
@@ -321,17 +267,13 @@ class OverlappedReducer:
         bk.flat.div_(self.world_size)
 
     def _launch_ready(self, r: _Round) -> int:
+        """Launch bucket ``r.next`` and every one after it that is complete, in the global order."""
         launched = 0
         buckets, pending = self.buckets, r.pending
-        own, group = self._own, self.process_group
         while r.next < len(buckets) and pending[r.next] == 0:
-            flat = buckets[r.next].flat
-            if own is None:
-                r.works.append(dist.all_reduce(flat, group=group, async_op=True))
-            elif self._peer is not None:  # the other rank's part, into its inbox, from our copy stream
-                self._peer.send(r.next)
-            else:  # in place: the output is this rank's part of the input
-                r.works.append(dist.reduce_scatter_tensor(own[r.next], flat, group=group, async_op=True))
+            work = self._launch(r.next)
+            if work is not None:
+                r.works.append(work)
             r.next += 1
             launched += 1
         return launched
@@ -381,7 +323,7 @@ class OverlappedReducer:
     def finish(self) -> bool:
         """Close the current round: complete it if the backward's end did not (every bucket gets
         launched) and wait for its collectives. Returns False when no armed backward ran since
-        the last call (nothing was reduced: the caller reduces synchronously)."""
+        the last call (nothing was reduced: :meth:`reduce` reduces after the backward)."""
         r = self._round
         if r is None:
             return False
@@ -390,8 +332,7 @@ class OverlappedReducer:
                 self._fill_rest(r)
             for w in r.works:
                 w.wait()
-            if self._peer is not None:
-                self._peer.receive(self._own, self.process_group)
+            self._settle()
         finally:
             self._round = None
             if self._native is not None:
@@ -399,41 +340,4 @@ class OverlappedReducer:
         return True
 
 
-class _PeerCopies:
-    """The state of :meth:`OverlappedReducer.use_peer_copies`: per round parity (even rounds use the
-    receiver's own range of its inbox, odd rounds the other range) ``incoming[parity][n]`` (what the other
-    rank copied for our part of bucket n) and ``outgoing[parity][n]`` (where our copy of its part goes,
-    that part). CPU tensors (tests with gloo and shared memory) copy synchronously, without a stream."""
-
-    __slots__ = ("stream", "incoming", "outgoing", "flag", "keep", "rounds")
-
-    def __init__(self, device: torch.device, incoming, outgoing, keep):
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self.incoming, self.outgoing, self.keep = incoming, outgoing, keep
-        self.flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self.rounds = 0  # rounds received (their parity picks the inbox half)
-
-    def send(self, n: int):
-        """Copy bucket ``n``'s part of the other rank into its inbox (after the work queued so far)."""
-        dst, src = self.outgoing[self.rounds % 2][n]
-        if self.stream is None:
-            dst.copy_(src)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src)
-
-    def receive(self, own: List[torch.Tensor], group):
-        """Wait (on the GPU) until both ranks' copies are done, then add the inbox to the owned parts
-        ``own``. The copies of this rank are on its copy stream, which the current stream waits for before
-        it enters a one-element all-reduce; the other rank enters it after its own copies. So past it this
-        round's half of the inbox holds the other rank's parts of this update."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.flag.device).wait_stream(self.stream)
-        dist.all_reduce(self.flag, group=group)
-        torch._foreach_add_(own, self.incoming[self.rounds % 2])
-        self.rounds += 1
-
-
-__all__ = ["Bucket", "DEFAULT_BUCKET_MB", "OverlappedReducer", "SHARD_ALIGN_ELEMENTS", "bucket_order", "plan_buckets",
-           "shardable"]
+__all__ = ["OverlappedReducer"]

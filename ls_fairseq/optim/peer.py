@@ -11,7 +11,8 @@ all-reduce after the update orders those stores before either rank reads the wei
 
 Only for two ranks on one host, each on its own CUDA device, with NCCL. The mapping is set up
 once, collectively; when any rank cannot set it up, no rank uses it and the step all-gathers
-instead. ``LS_FAIRSEQ_SHARD_P2P=0`` turns it off.
+instead. ``LS_FAIRSEQ_SHARD_P2P=0`` turns it off. The same mapping gives the gradient inboxes of the
+sharded reduction by copy engines (:func:`map_peer_inboxes`; ``LS_FAIRSEQ_PEER_REDUCE=0`` turns them off).
 """
 
 import logging
@@ -68,9 +69,9 @@ def map_peer_weights(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
 
 def map_peer_inboxes(workspaces: Sequence[FlatWorkspace], rank: int, world_size: int, group=None):
     """Collective: one gradient-sized "inbox" per flat buffer in symmetric memory, into which the
-    other rank copies its gradients of this rank's parts (:meth:`OverlappedReducer.use_peer_copies
-    <ls_fairseq.optim.overlap.OverlappedReducer.use_peer_copies>`). Returns ``[(this rank's inbox,
-    the peer's inbox addressable from this device, the mapping's handle)]`` in buffer order, or the
+    other rank copies its gradients of this rank's parts
+    (:class:`~ls_fairseq.optim.reduction_strategies.PeerCopyReduce`). Returns ``{id(buffer): (this
+    rank's inbox, the peer's inbox addressable from this device, the mapping's handle)}``, or the
     reason why not (a string, the same on every rank)."""
     group = group if group is not None else dist.group.WORLD
     buffers = [buf for ws in workspaces for buf in ws.buffers]
@@ -83,7 +84,7 @@ def map_peer_inboxes(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
         return mapped
     for t in mapped[0]:
         t.zero_()
-    return list(zip(*mapped))
+    return {id(buf): box for buf, box in zip(buffers, zip(*mapped))}
 
 
 def _map_symmetric(specs, device: torch.device, rank: int, group, reason: Optional[str]):

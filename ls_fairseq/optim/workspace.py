@@ -227,31 +227,19 @@ class FlatBuffer:
         return repaired
 
     @torch.no_grad()
-    def adopt_grads(self, indices, divide_by=None) -> None:
+    def adopt_grads(self, indices) -> None:
         """Make ``p.grad`` of every parameter in ``indices`` its view of the flat buffer: a gradient
         tensor that is not the view is copied in (one multi-tensor copy for all), a missing one
-        zeroes its slice. With ``divide_by`` every adopted gradient is also divided by it, in the same
-        pass (:func:`ls_fairseq.ops.copy_div_`; a gradient that already is the view is divided in
-        place); zeroed slices stay zero."""
-        if divide_by is None and self._adopt_fresh(indices):
+        zeroes its slice (the overlapped reduction folds a complete bucket so)."""
+        if self._adopt_fresh(indices):
             return
         pending = ([], [], [])
         for i in indices:
-            if not self._adopt_grad(i, pending) and divide_by is not None:
-                view = self.grad_view(i)
-                pending[0].append(view)
-                pending[1].append(view)
-        if divide_by is None:
-            self._write(pending)
-            return
-        from ls_fairseq.ops.copy_div import copy_div_
-
-        copy_dst, copy_src, zero_dst = pending
-        copy_div_(copy_dst, copy_src, divide_by)
-        self._write(([], [], zero_dst))
+            self._adopt_grad(i, pending)
+        self._write(pending)
 
     def _adopt_fresh(self, indices) -> bool:
-        """:meth:`adopt_grads` (without division) where every parameter in ``indices`` has a fresh,
+        """:meth:`adopt_grads` where every parameter in ``indices`` has a fresh,
         dense gradient of the buffer's dtype (autograd's, after zero_grad) or none: list-wide, without
         the per-parameter calls of the general path (an overlapped reduction adopts every bucket in
         the backward, where the host is often the bottleneck). Returns False, having changed
