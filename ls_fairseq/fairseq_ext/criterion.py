@@ -100,8 +100,10 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                 "requested target positions (expected [positions, vocab])"
             )
         target = target.reshape(-1).index_select(0, rows)
-        loss, nll_loss = label_smoothed_cross_entropy(logits, target, self.eps, ignore_index=self.padding_idx)
-        return self._outputs(sample, loss, nll_loss, target, lambda: logits.argmax(1))
+        best = logits.argmax(1) if self.report_accuracy else None  # before the backward reuses the logits
+        loss, nll_loss = label_smoothed_cross_entropy(logits, target, self.eps, ignore_index=self.padding_idx,
+                                                      reuse_logits=True)
+        return self._outputs(sample, loss, nll_loss, target, lambda: best)
 
     def _forward_recomputing_logits(self, model, sample, rows, target, decoder):
         """--ls-recompute-logits: the features of the counted rows, then the projection and the loss in blocks

@@ -38,23 +38,28 @@ def _check(logits, target, epsilon):
         )
 
 
-def label_smoothed_cross_entropy(logits, target, epsilon: float = 0.0, ignore_index: int = -100):
+def label_smoothed_cross_entropy(logits, target, epsilon: float = 0.0, ignore_index: int = -100,
+                                 reuse_logits: bool = False):
+    """``reuse_logits``: the backward may write the gradient over ``logits`` (see _LabelSmoothedCEFn); only
+    for logits the caller made for this loss and does not read after the backward."""
     _check(logits, target, epsilon)
     mod = kernel_module("label_smoothed_cross_entropy", logits, target)
     if mod is not None:
-        return _fused(mod, logits, target, epsilon, ignore_index)
+        return _LabelSmoothedCEFn.apply(logits, target, epsilon, ignore_index, reuse_logits)
     return label_smoothed_cross_entropy_reference(logits, target, epsilon, ignore_index)
 
 
 class _LabelSmoothedCEFn(torch.autograd.Function):
     """Saves the logits, targets and one fp32 logsumexp per row; the gradient is in the logits' dtype.
 
-    The backward writes the gradient over the logits (their last use) instead of into a second
-    [tokens, vocab] buffer: the same values, and the step's peak memory is one vocabulary-sized tensor
-    lower. A second backward through the same forward (retain_graph=True) is refused."""
+    With ``reuse_logits`` the backward writes the gradient over the logits (their last use) instead of into
+    a second [tokens, vocab] buffer: the same values, and the step's peak memory is one vocabulary-sized
+    tensor lower. Only for logits nobody reads after the backward (the criterion's own, made by the model's
+    forward for this loss); a leaf tensor is never overwritten, and a second backward through the same
+    forward (retain_graph=True) is refused."""
 
     @staticmethod
-    def forward(ctx, logits, target, epsilon, ignore_index):
+    def forward(ctx, logits, target, epsilon, ignore_index, reuse_logits):
         V = logits.shape[-1]
         l2 = logits.reshape(-1, V).contiguous()
         t1 = target.reshape(-1).long().contiguous()
@@ -62,23 +67,21 @@ class _LabelSmoothedCEFn(torch.autograd.Function):
         ctx.save_for_backward(l2, t1, lse)
         ctx.meta = (float(epsilon), int(ignore_index), logits.shape)
         ctx.consumed = False
+        ctx.reuse = bool(reuse_logits) and logits.grad_fn is not None
         return loss, nll
 
     @staticmethod
     def backward(ctx, g_loss, g_nll):
         if ctx.consumed:
             raise RuntimeError("label_smoothed_cross_entropy: a second backward through one forward is not "
-                               "supported (its gradient overwrites the logits); do not use retain_graph=True here")
+                               "supported with reuse_logits=True (the gradient overwrote the logits)")
         l2, t1, lse = ctx.saved_tensors
-        ctx.consumed = True
+        ctx.consumed = ctx.reuse
         eps, ignore_index, shape = ctx.meta
         args = (l2, t1, lse, g_loss, g_nll, eps, ignore_index)
-        if torch.compiler.is_compiling():  # the custom op's schema returns a new tensor
-            d = call("ls_cross_entropy_bwd", *args)
-        else:
+        if ctx.reuse and not torch.compiler.is_compiling():  # (the custom op's schema returns a new tensor)
             d = call("ls_cross_entropy_bwd", *args, True)
-        return d.view(shape), None, None, None
+        else:
+            d = call("ls_cross_entropy_bwd", *args)
+        return d.view(shape), None, None, None, None
 
-
-def _fused(mod, logits, target, epsilon, ignore_index):  # kernel slot
-    return _LabelSmoothedCEFn.apply(logits, target, epsilon, ignore_index)

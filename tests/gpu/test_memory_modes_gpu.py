@@ -136,14 +136,22 @@ def test_cross_entropy_backward_in_place_equals_out_of_place(dtype):
     work = logits.clone()
     same = m.ls_cross_entropy_bwd(work, target, lse, g1, g2, 0.1, 1, True)
     assert same.data_ptr() == work.data_ptr() and torch.equal(same, apart)
-    # through the op: the gradient reuses the logits' memory, and a second backward is refused
+    # through the op: with reuse_logits the gradient takes the logits' memory, and a second backward is refused
     x = _leaf(logits)
     y = x * 1
-    out = ops.label_smoothed_cross_entropy(y, target, 0.1, ignore_index=1)
+    out = ops.label_smoothed_cross_entropy(y, target, 0.1, ignore_index=1, reuse_logits=True)
     (gx,) = torch.autograd.grad(out[0] + 0.5 * out[1], [x], retain_graph=True)
-    assert torch.equal(gx, apart)
+    assert torch.equal(gx, apart) and torch.equal(y, apart)
     with pytest.raises(RuntimeError, match="second backward"):
         torch.autograd.grad(out[0], [x])
+    # a leaf, and any logits without reuse_logits, are never overwritten
+    for leaf, reuse in ((True, True), (False, False)):
+        x = _leaf(logits)
+        y = x if leaf else x * 1
+        keep = y.detach().clone()
+        out = ops.label_smoothed_cross_entropy(y, target, 0.1, ignore_index=1, reuse_logits=reuse)
+        (gx,) = torch.autograd.grad(out[0] + 0.5 * out[1], [x])
+        assert torch.equal(gx, apart) and torch.equal(y.detach(), keep)
 
 
 def test_cross_entropy_backward_peak_is_one_vocabulary_tensor_lower():
@@ -156,7 +164,7 @@ def test_cross_entropy_backward_peak_is_one_vocabulary_tensor_lower():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss, _ = ops.label_smoothed_cross_entropy(ops.linear(h, w), target, 0.1)
+    loss, _ = ops.label_smoothed_cross_entropy(ops.linear(h, w), target, 0.1, reuse_logits=True)
     loss.backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
