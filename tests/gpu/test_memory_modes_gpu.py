@@ -3,6 +3,11 @@
 bit against the stored pair (also with FP8), the in-place cross-entropy backward, whole layers with the modes,
 and the memory each saves in a training step."""
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +17,7 @@ from ls_fairseq.ops.layer_norm import layer_norm_reference
 from ._tols import DTYPES, assert_close_to_gold
 
 pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _mod():
@@ -299,3 +305,29 @@ def test_linear_cross_entropy_peak_holds_no_logits():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < N * V * 2 / 4, extra  # one 4096-row block of logits and the gradients, not [N, V]
+
+
+# ---------------------------------------------------------------- lightseq-train with every mode
+@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16", "--fp8"]], ids=["fp16", "bf16_fp8"])
+def test_lightseq_train_with_all_modes_and_graph_step(corpus, tmp_path, precision):
+    """All three modes with the CUDA-graph step (and FP8): the same loss curve as without them, within the noise
+    of their different rounding (dropout 0, so the curves are comparable step by step)."""
+    from tests._models import SMALL_LS_TRAIN, train_inner_records
+
+    def train(modes, name):
+        cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, *SMALL_LS_TRAIN, "--max-tokens", "2048",
+               "--max-update", "100", "--seed", "1", "--dropout", "0", "--activation-fn", "gelu",
+               "--log-format", "json", "--log-interval", "1", "--num-workers", "1", "--save-dir",
+               str(tmp_path / name), "--ls-graph-buckets", "12", *precision, *modes]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-5000:]
+        assert re.search(r"CUDA-graph step: [1-9]\d* micro-batches from [1-9]\d* captured buckets", out), out[-3000:]
+        return [float(r["loss"]) for _, r in sorted(train_inner_records(out).items())]
+
+    base = train([], "base")
+    modes = train(["--ls-invertible-layernorm", "--ls-recompute-activation", "--ls-recompute-logits"], "modes")
+    assert len(modes) == len(base) >= 100
+    assert modes[-1] < modes[0] - 1.0  # it learns
+    for a, b in zip(modes, base):
+        assert abs(a - b) <= 0.02 * abs(b), (a, b)
