@@ -507,33 +507,6 @@ def test_attention_backend_choice_equals_sdpa_kernel_and_restores():
     assert state() == before
 
 
-def test_copy_div_equals_a_copy_then_a_division():
-    from ls_fairseq.ops import copy_div_
-
-    g = torch.Generator().manual_seed(7)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        flat = torch.zeros(64, dtype=dtype)
-        views = [flat[0:10].view(2, 5), flat[16:19], flat[32:64].view(4, 8)]
-        srcs = [torch.randn(2, 5, generator=g).to(dtype), None, torch.randn(4, 8, generator=g).to(dtype)]
-        flat[16:19] = torch.tensor([3.0, -1.0, 0.5]).to(dtype)  # already in place: divided where it is
-        want = [s.clone() / 4 if s is not None else v.clone() / 4 for v, s in zip(views, srcs)]
-        copy_div_(views, [s if s is not None else v for v, s in zip(views, srcs)], 4)
-        for v, w in zip(views, want):
-            assert torch.equal(v, w)
-        assert not flat[10:16].any() and not flat[19:32].any()  # nothing outside the pairs is written
-    # a source of another dtype is cast, as Tensor.copy_ casts
-    dst = torch.zeros(3, dtype=torch.float16)
-    copy_div_([dst], [torch.tensor([1.0, 2.0, 3.0])], 2)
-    assert torch.equal(dst, torch.tensor([0.5, 1.0, 1.5], dtype=torch.float16))
-    copy_div_([], [], 2)  # nothing to do
-    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
-        copy_div_([dst, dst], [dst], 2)
-    with pytest.raises(ValueError, match="divisor must not be zero"):
-        copy_div_([dst], [dst], 0)
-    with pytest.raises(ValueError, match=r"shape \(3,\) and a source of shape \(4,\)"):
-        copy_div_([dst], [torch.zeros(4, dtype=torch.float16)], 2)
-
-
 def test_linear_on_cpu_is_torch_linear():
     """ops.linear: the C++ node is for CUDA tensors; elsewhere it is F.linear, values and gradients."""
     import torch.nn.functional as F

@@ -43,25 +43,6 @@ constexpr uint64_t kPhiloxIncrement = 4;
 // Bytes of the dropout bitmask of n elements.
 inline int64_t mask_bytes(int64_t n) { return (n + 7) / 8; }
 
-// ================================================================ copy_scale.cu
-// dst_i = src_i * scale (fp32 math, one rounding to dt) for `count` pairs of `numel[i]` elements each,
-// all of dtype dt on the current device; src_i may be dst_i. Any number of pairs and sizes: the
-// launcher splits them into launches of at most kCopyScaleTensors pairs and kCopyScaleBlocks chunks.
-constexpr int kCopyScaleTensors = 32;
-constexpr int kCopyScaleBlocks = 640;
-constexpr int64_t kCopyScaleChunk = 16384;  // elements per block (a multiple of 8)
-struct CopyScaleLaunch {
-  const void* src[kCopyScaleTensors];
-  void* dst[kCopyScaleTensors];
-  int64_t numel[kCopyScaleTensors];
-  uint8_t block_tensor[kCopyScaleBlocks];
-  int32_t block_chunk[kCopyScaleBlocks];
-};
-// passed by value as a kernel argument, with the scale: within the classic 4 KB of kernel arguments
-static_assert(sizeof(CopyScaleLaunch) + sizeof(float) <= 4096, "copy_scale: launch table too large");
-void copy_scale(DType dt, const void* const* src, void* const* dst, const int64_t* numel, int count, float scale,
-                cudaStream_t stream);
-
 // ================================================================ layer_norm.cu
 // y = LN(x [+ residual]); sum_out (optional) = x + residual; mean/rstd [rows] fp32.
 void layer_norm_fwd(DType dt, const void* x, const void* residual, const void* gamma, const void* beta,

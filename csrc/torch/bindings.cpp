@@ -73,8 +73,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale"),
         py::arg("torch_mode"), py::arg("skip_if_nonfinite") = none, py::arg("grad_scale_tensor") = none,
         py::arg("param_lp_peer") = none, py::arg("ranges") = std::vector<int64_t>{});
-  m.def("copy_div", guarded(&copy_div), "dst[i] = src[i] / divisor for lists of tensors, in one pass",
-        py::arg("dst"), py::arg("src"), py::arg("divisor"));
   m.def("grad_norm", guarded(&grad_norm), "L2 norm of a flat buffer, or of ranges of it (fp32 scalar tensor)",
         py::arg("grad"), py::arg("ranges") = std::vector<int64_t>{});
 

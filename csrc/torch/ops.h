@@ -50,10 +50,6 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
 // ranges: flattened [lo, hi) pairs (ascending, disjoint) that the step / the norm covers; empty: everything.
 Tensor grad_norm(const Tensor& grad, const std::vector<int64_t>& ranges);
 
-// dst[i] = src[i] / divisor for every pair (one dtype, one device; src[i] may be dst[i]): a copy followed
-// by PyTorch's in-place division by a host number, in one pass.
-void copy_div(const std::vector<Tensor>& dst, const std::vector<Tensor>& src, double divisor);
-
 // Autograd nodes in C++ (autograd.cpp): the differentiable forms of the ops above that a training step
 // calls most, plus a linear layer; each records one node in the graph.
 std::vector<Tensor> ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,

@@ -24,7 +24,6 @@ KERNEL_ENTRY = {
     "attention": None,  # always torch SDPA (flash / cuDNN / efficient backends)
     "label_smoothed_cross_entropy": "ls_cross_entropy_fwd",
     "adam": "adam_step",
-    "copy_div": "copy_div",
     "grad_norm": "grad_norm",
 }
 

@@ -188,14 +188,6 @@ def _register():
     def _(*args):
         return None
 
-    @op(f"{_LIB}::copy_div", mutates_args=("dst",))
-    def copy_div(dst: List[Tensor], src: List[Tensor], divisor: float) -> None:
-        _mod().copy_div(dst, src, divisor)
-
-    @copy_div.register_fake
-    def _(dst, src, divisor):
-        return None
-
     @op(f"{_LIB}::grad_norm", mutates_args=())
     def grad_norm(grad: Tensor, ranges: List[int]) -> Tensor:
         return _mod().grad_norm(grad, ranges)
