@@ -23,6 +23,23 @@ SMALL_LS_TRAIN = ["--arch", "ls_transformer_wmt_en_de", "--encoder-layers", "2",
                   "--label-smoothing", "0.1"]
 
 
+def saved_bytes(fn, params=()):
+    """(fn(), bytes of the distinct storages autograd keeps for the backward of what fn records, ``params``
+    (the weights, static memory) left out)."""
+    storages = {}
+    skip = {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
 def make_dict(n_words: int = 50):
     """A fairseq Dictionary of ``n_words`` words. (fairseq is imported where needed: the two-rank workers
     import this module, and those that do not use fairseq start faster without it.)"""

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from _cpu_builds import cached_cpu_extension
+from _models import saved_bytes
 
 
 @pytest.fixture(scope="module")
@@ -65,22 +66,6 @@ def test_layer_norm_nodes(nodes):
     assert "PreLayerNormNode" in out[0].grad_fn.name()
 
 
-def _saved_bytes(fn, params=()):
-    """(fn(), bytes of the distinct storages autograd keeps for the backward of what fn records, ``params``
-    (the weights, static memory) left out)."""
-    storages = {}
-    skip = {p.untyped_storage().data_ptr() for p in params}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
-
-
 def test_invertible_layer_norm_nodes(nodes):
     """--ls-invertible-layernorm: the same gradients, from the output instead of the input."""
     _same_as_autograd(lambda x, w, b: nodes.ag_layer_norm(x, None, w, b, 1e-5, True), _ln, [X, W, B])
@@ -95,7 +80,7 @@ def test_invertible_layer_norm_nodes(nodes):
             (lambda t: nodes.ag_layer_norm(t, None, w, b, 1e-5, inv)[0])
         sizes = []
         for inv in (False, True):
-            _, n = _saved_bytes(lambda: nodes.ag_linear(norm(x * 1.0), lin), [w, b, lin])
+            _, n = saved_bytes(lambda: nodes.ag_linear(norm(x * 1.0), lin), [w, b, lin])
             sizes.append(n)
         assert sizes[0] - sizes[1] >= X.numel() * X.element_size(), (pre, sizes)
 
@@ -117,8 +102,8 @@ def test_bias_act_linear_node(nodes, act):
     torch.testing.assert_close(gx, want[0])
     torch.testing.assert_close(gb, want[1])
     x, b, wl = _leaves(X, B, w)
-    _, recomputed = _saved_bytes(lambda: nodes.ag_bias_act_linear(x, b, wl, act, 0.0), [b, wl])
-    _, stored = _saved_bytes(lambda: nodes.ag_linear(nodes.ag_bias_act_dropout(x, b, act, 0.0)[0], wl), [b, wl])
+    _, recomputed = saved_bytes(lambda: nodes.ag_bias_act_linear(x, b, wl, act, 0.0), [b, wl])
+    _, stored = saved_bytes(lambda: nodes.ag_linear(nodes.ag_bias_act_dropout(x, b, act, 0.0)[0], wl), [b, wl])
     if act == "gelu":  # stored: the input and the output; recomputed: the input only
         assert stored - recomputed >= X.numel() * X.element_size()
     with pytest.raises(Exception, match="does not match weight"):

@@ -9,28 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _models import build_model, make_dict, random_batch
+from _models import build_model, make_dict, random_batch, saved_bytes
 from ls_fairseq import ops
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_reference
 from ls_fairseq.ops.bias_act_linear import bias_act_linear_reference
 from ls_fairseq.ops.layer_norm import layer_norm_reference
-
-
-def saved_bytes(fn, params=()):
-    """(fn(), bytes of the distinct storages autograd keeps for the backward of what fn records, ``params``
-    (the weights, static memory) left out)."""
-    storages = {}
-    skip = {p.untyped_storage().data_ptr() for p in params}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
 
 
 def _grads(out, inputs, gy):
