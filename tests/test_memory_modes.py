@@ -229,7 +229,7 @@ def test_linear_cross_entropy_in_blocks_equals_the_stored_path(chunk):
     t = torch.randint(0, 37, (10,), generator=g)
     t[[2, 7]] = 1  # ignored rows
     a, r = _leaves(h, w), _leaves(h, w)
-    loss, nll, best = linear_cross_entropy(a[0], a[1], t, 0.1, 1, chunk_rows=chunk)
+    loss, nll, best = linear_cross_entropy(a[0], a[1], t, 0.1, 1, chunk_rows=chunk, argmax=True)
     logits = F.linear(r[0], r[1])
     rl, rn = label_smoothed_cross_entropy_reference(logits, t, 0.1, 1)
     torch.testing.assert_close(loss.double(), rl.double(), rtol=1e-6, atol=1e-6)
@@ -248,7 +248,8 @@ def test_linear_cross_entropy_keeps_no_logits():
     h = torch.randn(256, 32, generator=g, requires_grad=True)
     w = torch.randn(2000, 32, generator=g, requires_grad=True)
     t = torch.randint(0, 2000, (256,), generator=g)
-    _, kept = saved_bytes(lambda: linear_cross_entropy(h, w, t, 0.1, chunk_rows=64), [h, w])
+    out, kept = saved_bytes(lambda: linear_cross_entropy(h, w, t, 0.1, chunk_rows=64), [h, w])
+    assert out[2] is None  # no argmax unless asked
     assert kept < 256 * 2000 * 4 / 10  # target and logsumexp, not the [256, 2000] logits
     with pytest.raises(ValueError, match="do not match"):
         linear_cross_entropy(h, torch.randn(2000, 31), t)

@@ -103,7 +103,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         best = logits.argmax(1) if self.report_accuracy else None  # before the backward reuses the logits
         loss, nll_loss = label_smoothed_cross_entropy(logits, target, self.eps, ignore_index=self.padding_idx,
                                                       reuse_logits=True)
-        return self._outputs(sample, loss, nll_loss, target, lambda: best)
+        return self._outputs(sample, loss, nll_loss, target, best)
 
     def _forward_recomputing_logits(self, model, sample, rows, target, decoder):
         """--ls-recompute-logits: the features of the counted rows, then the projection and the loss in blocks
@@ -111,11 +111,11 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         features, _ = model(**sample["net_input"], logit_rows=rows, features_only=True)
         target = target.reshape(-1).index_select(0, rows)
         loss, nll_loss, best = linear_cross_entropy(features, decoder.output_projection.weight, target, self.eps,
-                                                    ignore_index=self.padding_idx)
-        return self._outputs(sample, loss, nll_loss, target, lambda: best)
+                                                    ignore_index=self.padding_idx, argmax=self.report_accuracy)
+        return self._outputs(sample, loss, nll_loss, target, best)
 
-    def _outputs(self, sample, loss, nll_loss, target, argmax):
-        """fairseq's (loss, sample_size, logging_output); ``argmax()`` gives each row's best token."""
+    def _outputs(self, sample, loss, nll_loss, target, best):
+        """fairseq's (loss, sample_size, logging_output); ``best``: each row's best token (with --report-accuracy)."""
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         logging_output = {
             "loss": loss.data,
@@ -126,7 +126,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         }
         if self.report_accuracy:
             counted = target.ne(self.padding_idx)  # without the alignment rows (see counted_rows)
-            logging_output["n_correct"] = utils.item((argmax().eq(target) & counted).sum().data)
+            logging_output["n_correct"] = utils.item((best.eq(target) & counted).sum().data)
             logging_output["total"] = utils.item(counted.sum().data)
         return loss, sample_size, logging_output
 

@@ -72,12 +72,9 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         positions) logits [N, V] of those positions only: the vocabulary projection, its two
         backward GEMMs and the loss then skip padding. ``features_only``: the features before the
         vocabulary projection (of those rows, with ``logit_rows``)."""
-        rows = None
-        if logit_rows is not None:
-            if incremental_state is not None:
-                raise ValueError("logit_rows is for training and scoring, not incremental decoding")
-            rows = logit_rows
-        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, rows=rows)
+        if logit_rows is not None and incremental_state is not None:
+            raise ValueError("logit_rows is for training and scoring, not incremental decoding")
+        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, rows=logit_rows)
         if not features_only:
             x = self.output_layer(x)
         return x, extra

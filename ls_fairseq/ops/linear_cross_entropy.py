@@ -10,7 +10,7 @@ fp16, more than a transformer-big layer keeps); at any time at most one block of
 
 The same kernels as ls_fairseq/ops/cross_entropy.py on CUDA, the same arithmetic in PyTorch elsewhere. The
 gradients are those of the stored path up to the summation order of dW over the blocks (one block: the same
-GEMMs). Also returns each row's argmax (for --report-accuracy) without a second pass.
+GEMMs). On request also each row's argmax (for --report-accuracy), from the same blocks.
 
 Shapes: h [N, C], weight [V, C], target [N] (int64) -> (loss, nll) fp32 sums, argmax [N] int64.
 """
@@ -20,62 +20,52 @@ import torch.nn.functional as F
 
 from ls_fairseq.ops._checks import up
 from ls_fairseq.ops._dispatch import kernel_module
+from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_reference
 
 CHUNK_ROWS = 4096  # a block of 4096 x 32k fp16 logits is 256 MB
 
 
-def _weights(V, epsilon):
-    eps_i = epsilon / (V - 1) if V > 1 else 0.0
-    return eps_i, 1.0 - epsilon - eps_i
+def _block_loss(mod, logits, target, epsilon, ignore_index):
+    """(loss sum, nll sum, logsumexp per row) of one block: the kernel, or the reference."""
+    if mod is not None:
+        return mod.ls_cross_entropy_fwd(logits, target, epsilon, ignore_index)
+    loss, nll = label_smoothed_cross_entropy_reference(logits, target, epsilon, ignore_index)
+    return loss, nll, torch.logsumexp(up(logits), dim=-1)
 
 
-def _fwd_reference(logits, target, epsilon, ignore_index):
-    """(loss sum, nll sum, lse [N]) in fp32, as the kernel computes them."""
-    lf = up(logits)  # fp32 (fp64 stays fp64)
-    lse = torch.logsumexp(lf, dim=-1)
-    keep = target.ne(ignore_index)
-    safe = target.masked_fill(~keep, 0)
-    nll = (lse - lf.gather(1, safe.unsqueeze(1)).squeeze(1)).masked_fill(~keep, 0.0)
-    smooth = (lf.shape[-1] * lse - lf.sum(-1)).masked_fill(~keep, 0.0)
-    eps_i, w_nll = _weights(lf.shape[-1], epsilon)
-    return w_nll * nll.sum() + eps_i * smooth.sum(), nll.sum(), lse
-
-
-def _bwd_reference(logits, target, lse, g_loss, g_nll, epsilon, ignore_index):
-    V = logits.shape[-1]
-    eps_i, w_nll = _weights(V, epsilon)
-    lf = up(logits)
-    gl, gn = g_loss.to(lf.dtype), g_nll.to(lf.dtype)
-    p = torch.exp(lf - lse.to(lf.dtype).unsqueeze(1))
-    d = p * (gl * (w_nll + V * eps_i) + gn) - gl * eps_i
-    keep = target.ne(ignore_index)
-    d.scatter_add_(1, target.masked_fill(~keep, 0).unsqueeze(1), (-(gl * w_nll + gn)).expand(target.shape[0], 1))
-    return d.masked_fill(~keep.unsqueeze(1), 0.0).to(logits.dtype)
+def _block_grad(mod, logits, target, lse, g_loss, g_nll, epsilon, ignore_index):
+    """The gradient over one block's logits: the kernel (written over the logits), or the reference's autograd."""
+    if mod is not None:
+        return mod.ls_cross_entropy_bwd(logits, target, lse, g_loss, g_nll, epsilon, ignore_index, True)
+    with torch.enable_grad():
+        leaf = logits.detach().requires_grad_(True)
+        loss, nll = label_smoothed_cross_entropy_reference(leaf, target, epsilon, ignore_index)
+        (d,) = torch.autograd.grad(loss * g_loss + nll * g_nll, leaf)
+    return d
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, epsilon, ignore_index, chunk_rows, mod):
+    def forward(ctx, h, weight, target, epsilon, ignore_index, chunk_rows, mod, want_argmax):
         N = h.shape[0]
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32  # the kernels: fp32
         lse = torch.empty(N, dtype=acc, device=h.device)
-        best = torch.empty(N, dtype=torch.long, device=h.device)
+        best = torch.empty(N, dtype=torch.long, device=h.device) if want_argmax else None
         loss = torch.zeros((), dtype=acc, device=h.device)
         nll = torch.zeros((), dtype=acc, device=h.device)
         for s in range(0, N, chunk_rows):
             e = min(N, s + chunk_rows)
             logits = F.linear(h[s:e], weight)
-            if mod is not None:
-                lo, nl, lse[s:e] = mod.ls_cross_entropy_fwd(logits, target[s:e], epsilon, ignore_index)
-            else:
-                lo, nl, lse[s:e] = _fwd_reference(logits, target[s:e], epsilon, ignore_index)
+            lo, nl, lse[s:e] = _block_loss(mod, logits, target[s:e], epsilon, ignore_index)
             loss += lo
             nll += nl
-            best[s:e] = logits.argmax(1)
+            if want_argmax:
+                best[s:e] = logits.argmax(1)
             del logits  # before the next block's logits exist: one block at a time
         ctx.save_for_backward(h, weight, target, lse)
         ctx.meta = (float(epsilon), int(ignore_index), int(chunk_rows), mod)
-        ctx.mark_non_differentiable(best)
+        if want_argmax:
+            ctx.mark_non_differentiable(best)
         return loss, nll, best
 
     @staticmethod
@@ -91,22 +81,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk_rows):
             e = min(h.shape[0], s + chunk_rows)
             logits = F.linear(h[s:e], weight)
-            if mod is not None:  # the gradient over the block's logits, in place
-                d = mod.ls_cross_entropy_bwd(logits, target[s:e], lse[s:e], g_loss, g_nll, epsilon, ignore_index,
-                                             True)
-            else:
-                d = _bwd_reference(logits, target[s:e], lse[s:e], g_loss, g_nll, epsilon, ignore_index)
+            d = _block_grad(mod, logits, target[s:e], lse[s:e], g_loss, g_nll, epsilon, ignore_index)
             if need_h:
                 torch.mm(d, weight, out=dh[s:e])
             if need_w:
                 dw.addmm_(d.t(), h[s:e])
             del logits, d
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def linear_cross_entropy(h, weight, target, epsilon: float = 0.0, ignore_index: int = -100,
-                         chunk_rows: int = CHUNK_ROWS):
-    """(loss, nll, argmax) of label_smoothed_cross_entropy(h W^T, target) without keeping the logits."""
+                         chunk_rows: int = CHUNK_ROWS, argmax: bool = False):
+    """(loss, nll, each row's argmax or None) of label_smoothed_cross_entropy(h W^T, target) without keeping the
+    logits; ``argmax``: also the best token of each row (one more pass over each block)."""
     if not (0.0 <= float(epsilon) < 1.0):
         raise ValueError(f"label smoothing must be in [0, 1), got {epsilon}")
     if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1]:
@@ -120,4 +107,4 @@ def linear_cross_entropy(h, weight, target, epsilon: float = 0.0, ignore_index: 
     if mod is not None and h.dtype != weight.dtype:
         mod = None
     return _LinearCrossEntropy.apply(h, weight, target.long(), float(epsilon), int(ignore_index), int(chunk_rows),
-                                     mod)
+                                     mod, bool(argmax))
