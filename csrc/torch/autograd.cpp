@@ -69,7 +69,7 @@ inline std::vector<Tensor> layer_norm_grads(AutogradContext* ctx, const Tensor& 
   return {r[0], as_dtype(r[1], dtype_code(s[1])), as_dtype(r[2], ctx->saved_data["bdt"].toInt())};
 }
 
-// What the two dropout nodes keep besides their tensors; their mask output has no gradient.
+// What the dropout nodes keep besides their tensors; their mask output has no gradient.
 inline void keep_dropout_info(AutogradContext* ctx, double p, const OptTensor& bias, const Tensor& mask) {
   ctx->saved_data["p"] = p;
   keep_bias_info(ctx, bias);
@@ -177,6 +177,61 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
   }
 };
 
+// --ls-recompute-activation: y = dropout(act(x + b)) W^T as one node that does not keep the activation's
+// output a for the backward. The stored pair (BiasActDropoutNode, then LinearNode) keeps, for gelu, both the
+// activation's input (for gelu') and a (for the weight gradient); this node keeps the input and the 1-bit mask and
+// computes a again in the backward (bias_act_dropout_replay: the forward's arithmetic and keep bits, so the same
+// values bit for bit). The GEMMs and the activation backward are the stored pair's own calls in the same order, so
+// every gradient equals the stored path's bit for bit, for one more elementwise pass over [tokens, ffn]. For relu
+// the stored pair keeps a alone already (relu' comes from a > 0): the layers use this node for gelu only.
+struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& weight,
+                               const std::string& activation, double p, int64_t fp8) {
+    Tensor xc = contig(x);
+    auto r = bias_act_dropout_fwd(xc, bias, activation, p);  // [a, mask]
+    Tensor a2 = r[0].reshape({-1, x.size(-1)});
+    const bool use_fp8 = fp8 > 0 && fp8_linear_shapes_ok(weight);
+    Tensor y2, wq, sw;
+    if (use_fp8) {
+      auto f = fp8_linear_forward(a2, weight, std::nullopt);
+      y2 = f[0], wq = f[1], sw = f[2];
+    } else {
+      y2 = at::mm(a2, weight.t());
+    }
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({xc, or_undefined(bias), r[1], weight, wq, sw});
+    ctx->saved_data["act"] = activation;
+    ctx->saved_data["gf"] = use_fp8 ? fp8 - 1 : int64_t(-1);
+    keep_dropout_info(ctx, p, bias, r[1]);
+    return {at::_unsafe_view(y2, sizes), r[1]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& g = grads[0];
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    auto s = ctx->get_saved_variables();
+    const Tensor &xc = s[0], &w = s[3];
+    const OptTensor bias = opt(s[1]);
+    const std::string act = ctx->saved_data["act"].toStringRef();
+    const double p = ctx->saved_data["p"].toDouble();
+    const OptTensor mask = p > 0 ? OptTensor(s[2]) : std::nullopt;
+    const int64_t gf = ctx->saved_data["gf"].toInt();
+    const bool need_db = bias_grad_needed(ctx);
+    const bool need_dw = ctx->needs_input_grad(present(bias) ? 2 : 1);  // counts the tensors present
+
+    Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
+    Tensor g2 = contig(g.reshape({-1, w.size(0)}));
+    Tensor dw = need_dw ? at::mm(g2.t(), a.reshape({-1, xc.size(-1)})) : Tensor();
+    Tensor da2 = gf >= 0 ? fp8_linear_input_grad(g2, s[4], s[5], gf) : at::mm(g2, w);
+    const bool relu = act == "relu";
+    auto r = bias_act_dropout_bwd(at::_unsafe_view(da2, xc.sizes()), relu ? std::nullopt : OptTensor(xc), bias,
+                                  relu ? OptTensor(a) : std::nullopt, mask, p, act, need_db);
+    return {r[0], bias_grad(ctx, r[1], need_db), dw, Tensor(), Tensor(), Tensor()};
+  }
+};
+
 // [B, T, n*C] (+ bias) -> n parts [B, H, T, D] stored token-major (n <= 3: q, k, v or k, v)
 struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, int64_t n,
@@ -261,6 +316,18 @@ variable_list ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const 
 variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads) {
   LS_CHECK(n >= 1 && n <= 3, "split_heads: n must be 1, 2 or 3, got ", n);
   return SplitHeadsNode::apply(x, bias, n, num_heads);
+}
+
+std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,
+                                       const std::string& activation, double p, int64_t fp8) {
+  const char* op = "bias_act_linear";
+  LS_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
+           " does not match weight ", weight.sizes());
+  LS_CHECK(x.device() == weight.device() && x.scalar_type() == weight.scalar_type(), op, ": input (",
+           x.scalar_type(), " on ", x.device().str(), ") and weight (", weight.scalar_type(), " on ",
+           weight.device().str(), ") differ");
+  LS_CHECK(activation == "relu" || activation == "gelu", op, ": unsupported activation '", activation, "'");
+  return BiasActLinearNode::apply(x, bias, weight, activation, p, fp8);
 }
 
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {

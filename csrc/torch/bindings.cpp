@@ -95,7 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("format"));
   m.def("ag_bias_act_linear", guarded(&ag_bias_act_linear),
         "differentiable dropout(act(x + bias)) W^T recomputing the activation in the backward: [y, mask] "
-        "(recompute.cpp)", py::arg("x"), py::arg("bias") = none, py::arg("weight"), py::arg("activation"),
+        "(autograd.cpp)", py::arg("x"), py::arg("bias") = none, py::arg("weight"), py::arg("activation"),
         py::arg("p"), py::arg("fp8") = 0);
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = none, py::arg("grad_format"));

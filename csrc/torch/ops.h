@@ -88,7 +88,7 @@ bool fp8_linear_shapes_ok(const Tensor& weight);
 std::vector<Tensor> fp8_linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias);
 Tensor fp8_linear_input_grad(const Tensor& g2, const Tensor& wq, const Tensor& sw, int64_t grad_format);
 
-// recompute.cpp: dropout(act(x + bias)) W^T as one node that keeps the activation's input, not its output, and
+// dropout(act(x + bias)) W^T as one node that keeps the activation's input, not its output, and
 // recomputes the output in the backward (--ls-recompute-activation) -> [y, mask]. fp8 as in ag_linear_mode.
 std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,
                                        const std::string& activation, double p, int64_t fp8);

@@ -7,7 +7,7 @@ backward, with the forward's arithmetic and keep bits, so every gradient equals 
 relu the stored path keeps a alone already (relu' is a > 0), so the layers use this op for gelu only.
 
 Shapes: x [..., F]; bias [F] or None; weight [N, F] -> [..., N]. ``fp8`` as in ops.linear. On CUDA it is
-one C++ autograd node (csrc/torch/recompute.cpp); elsewhere the reference below, which recomputes through
+one C++ autograd node (csrc/torch/autograd.cpp); elsewhere the reference below, which recomputes through
 the references (FP8 on CPU takes the stored path).
 """
 
