@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ls_fairseq import _ext
 from ls_fairseq.ops.layer_norm import layer_norm_reference
+from tests._models import saved_bytes
 from ._tols import DTYPES, assert_close_to_gold
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _mod():
     return _ext.get()
+
+
+def _peak_bytes_of(step):
+    """GPU memory ``step()`` allocates at its peak beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def _leaf(t, dtype=None):
@@ -167,13 +178,8 @@ def test_cross_entropy_backward_peak_is_one_vocabulary_tensor_lower():
     w = torch.randn(V, 256, device="cuda", dtype=torch.float16, requires_grad=True)
     h = torch.randn(N, 256, device="cuda", dtype=torch.float16, requires_grad=True)
     target = torch.randint(0, V, (N,), device="cuda")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss, _ = ops.label_smoothed_cross_entropy(ops.linear(h, w), target, 0.1, reuse_logits=True)
-    loss.backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    extra = _peak_bytes_of(
+        lambda: ops.label_smoothed_cross_entropy(ops.linear(h, w), target, 0.1, reuse_logits=True)[0].backward())
     logits_bytes = N * V * 2
     # logits (= their gradient) plus the small gradients; out of place it would be two vocabulary tensors
     assert extra < 1.5 * logits_bytes, (extra, logits_bytes)
@@ -238,21 +244,10 @@ def test_modes_lower_a_layers_saved_activations():
     dtype = torch.float16
     layer = _layer(False, dtype)
     x = torch.randn(64, 128, 1024, device="cuda", dtype=dtype, requires_grad=True)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
 
     def kept(inv, rec):
         _set_modes(layer, inv, rec)
-        storages = {}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                storages[s.data_ptr()] = s.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(x * 1)
-        return sum(storages.values())
+        return saved_bytes(lambda: layer(x * 1), list(layer.parameters()))[1]
 
     stored, inv, both = kept(False, False), kept(True, False), kept(True, True)
     tok = 64 * 128
@@ -297,13 +292,7 @@ def test_linear_cross_entropy_peak_holds_no_logits():
     h = torch.randn(N, 256, device="cuda", dtype=torch.float16, requires_grad=True)
     w = torch.randn(V, 256, device="cuda", dtype=torch.float16, requires_grad=True)
     t = torch.randint(0, V, (N,), device="cuda")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss, _, _ = linear_cross_entropy(h, w, t, 0.1, chunk_rows=4096)
-    loss.backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    extra = _peak_bytes_of(lambda: linear_cross_entropy(h, w, t, 0.1, chunk_rows=4096)[0].backward())
     assert extra < N * V * 2 / 4, extra  # one 4096-row block of logits and the gradients, not [N, V]
 
 
