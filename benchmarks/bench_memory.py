@@ -11,8 +11,8 @@ intercept. --find-max predicts the largest --max-tokens whose peak fits in 97% o
 one epoch at it, stepping down by 5% until a run succeeds (at most four tries): the result is a size that
 trained, not an extrapolation.
 Kinds: native, ls (lightseq-train's defaults), ls_mem (--ls-invertible-layernorm --ls-recompute-activation
---ls-recompute-logits), ls_inv, ls_recompute, ls_logits; --baseline DIR adds ls_baseline, lightseq-train from another checkout of ls_fairseq with
-its extension built in place, for a before/after comparison in the same run.
+--ls-recompute-logits), ls_inv, ls_recompute, ls_logits; --baseline DIR adds ls_baseline, lightseq-train from
+another checkout of ls_fairseq with its extension built in place, for a before/after comparison in the same run.
 """
 
 import argparse

@@ -3,12 +3,11 @@ recorded instead of run, and the peer mappings (two GPUs of one host) are stood 
 branch of the choice runs on the CPU, the peer-copy one included. The strategies themselves are checked
 on two gloo ranks in test_distributed.py, test_overlap.py and test_shard.py."""
 
-import logging
-
 import pytest
 import torch
 import torch.distributed as dist
 
+from _models import log_lines
 from ls_fairseq.optim import overlap, reduction
 from ls_fairseq.optim.adam import LSAdam
 from ls_fairseq.optim.reduction import GradReduction
@@ -41,24 +40,10 @@ class _DDP:
         self.module, self.world_size, self.process_group, self.accumulate_grads = module, world_size, None, False
 
 
-class _Log(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
 def log():
-    handler, lg = _Log(), logging.getLogger("ls_fairseq.optim.reduction")
-    lg.addHandler(handler)
-    old = lg.level
-    lg.setLevel(logging.INFO)
-    yield handler.lines
-    lg.removeHandler(handler)
-    lg.setLevel(old)
+    with log_lines(("ls_fairseq.optim.reduction",)) as lines:
+        yield lines
 
 
 def _peer_stand_ins(monkeypatch, weights: bool, inboxes):

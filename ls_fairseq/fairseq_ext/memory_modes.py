@@ -17,7 +17,7 @@ the backward, which makes each block's logits again (ls_fairseq/ops/linear_cross
 vocabulary GEMM.
 
 Attention dropout is never stored in the first place: the attention kernels regenerate it from the random
-generator's state in the backward. Both flags change neither the weights nor the checkpoints.
+generator's state in the backward. None of the flags changes the weights or the checkpoints.
 """
 
 from typing import List, Optional
