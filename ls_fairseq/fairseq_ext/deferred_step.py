@@ -135,7 +135,7 @@ class DeferredStepMixin:
         ls_adam, scaler = _inner_and_scaler(opt)
         graphs = self._graph_step()
         if graphs is not None:
-            ls_adam.zero_grad(in_place=True)  # the graphs add into the flat gradient buffers
+            graphs.begin_update(ls_adam)  # the graphs write the flat gradient buffers
         else:
             self.zero_grad()
         metrics.log_start_time("train_wall", priority=800, round=0)
@@ -191,6 +191,8 @@ class DeferredStepMixin:
                 self._save_crash_checkpoint(ls_adam)
                 raise
 
+        if graphs is not None:
+            graphs.end_micro_batches()
         if timer is not None:
             timer.host_mark("the rest of the micro-batches")
         if is_dummy_batch:

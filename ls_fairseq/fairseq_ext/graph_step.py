@@ -13,8 +13,10 @@ buffers. A micro-batch is then:
    label-smoothed cross-entropy (a handful of kernels; its row count varies from batch to batch)
    and its backward, which accumulates the output projection's gradient and yields the features'
    gradient;
-4. the backward graph replayed: every other parameter's gradient is added into ls_adam's flat
-   gradient buffer, in place.
+4. the backward graph replayed, and after it one multi-tensor write of every other parameter's
+   gradient into ls_adam's flat gradient buffer: a copy for the update's first micro-batch (the
+   buffer is not zeroed beforehand), an addition for the later ones of ``--update-freq``
+   (:meth:`GraphStep.begin_update`).
 
 The loss, the gradients and the logged statistics are those of the unpadded batch (padding is
 ignored by the masks and the loss; see :func:`shape_buckets.pad_batch`). Dropout stays random:
@@ -133,10 +135,12 @@ def unsupported_reason(trainer) -> Optional[str]:
 
 # ----------------------------------------------------------------------------- the engine
 class _Graphs:
-    """One bucket's captured forward and backward and the views they read and write."""
+    """One bucket's captured forward and backward and the views they read and write. The backward
+    leaves the body's parameter gradients in the pool; ``copy`` writes them over the flat gradient
+    buffer (and zeroes the slices of parameters the body does not reach), ``add`` adds them to it."""
 
-    def __init__(self, fwd, bwd, src, lengths, prev, feats, grad):
-        self.fwd, self.bwd = fwd, bwd
+    def __init__(self, fwd, bwd, copy, add, src, lengths, prev, feats, grad):
+        self.fwd, self.bwd, self.copy, self.add = fwd, bwd, copy, add
         self.src, self.lengths, self.prev = src, lengths, prev
         self.feats, self.grad = feats, grad
 
@@ -166,6 +170,9 @@ class GraphStep:
         self._host_events = []
         self._turn = 0
         self._dev_in = self._feat_buf = self._grad_buf = None
+        self._ls_adam = None
+        self._grad_views = None  # (head views, body [(param, view)]) of the flat gradient buffers
+        self._fresh = False  # the flat gradient buffers hold stale values that the next micro-batch overwrites
         import atexit
 
         atexit.register(self.close)
@@ -214,12 +221,65 @@ class GraphStep:
             self._feat_buf = torch.zeros(n_feat, dtype=dtype, device=dev)
             self._grad_buf = torch.zeros(n_feat, dtype=dtype, device=dev)
 
+    # ------------------------------------------------------------------ the gradient buffers
+    def begin_update(self, ls_adam) -> None:
+        """Before an update's micro-batches (in place of ``ls_adam.zero_grad(in_place=True)``): every
+        ``p.grad`` becomes its view of ls_adam's flat gradient buffers, and only the slices that
+        the eager head accumulates into (the output projection's weight) are zeroed. The first
+        graphed micro-batch writes every other gradient over its slice; a micro-batch that takes
+        the eager step, or an update that ends with none graphed, zeroes the buffers first
+        (:meth:`end_micro_batches`)."""
+        ls_adam.zero_grad(in_place=True, fill=False)
+        if ls_adam is not self._ls_adam:
+            self._ls_adam, self._grad_views = ls_adam, None
+        head, _ = self._views_of_grads()
+        if head:
+            torch._foreach_zero_(head)
+        self._fresh = True
+
+    def end_micro_batches(self) -> None:
+        """After the update's micro-batches: buffers that no micro-batch wrote are zeroed."""
+        self._make_zero()
+
+    def _make_zero(self) -> None:
+        if self._fresh:
+            self._fresh = False
+            for ws in self._ls_adam._optimizer.workspaces:
+                for buf in ws.buffers:
+                    buf.grad.zero_()
+
+    def _views_of_grads(self):
+        """(the gradient views of the head's parameters, [(parameter, gradient view)] of all others)."""
+        if self._grad_views is None:
+            head_ids = {id(p) for p in self.model.decoder.output_projection.parameters()}
+            head, body = [], []
+            for ws in self._ls_adam._optimizer.workspaces:
+                for buf in ws.buffers:
+                    for i, p in enumerate(buf.params):
+                        if p.numel() == 0:
+                            continue
+                        if id(p) in head_ids:
+                            head.append(buf.grad_view(i))
+                        else:
+                            body.append((p, buf.grad_view(i)))
+            self._grad_views = (head, body)
+        return self._grad_views
+
     # ------------------------------------------------------------------ one micro-batch
     def micro_batch(self, sample, optimizer, num_updates: int):
         """Forward and backward of the host ``sample`` through the graphs. Returns (loss,
-        sample_size, logging_output) as the task's train_step does, or None: take the eager step."""
+        sample_size, logging_output) as the task's train_step does, or None: take the eager step
+        (whose backward adds into the flat gradient buffers, zeroed here first)."""
+        out = self._micro_batch(sample, optimizer, num_updates)
+        if out is None and self._ls_adam is not None:
+            self._make_zero()
+        return out
+
+    def _micro_batch(self, sample, optimizer, num_updates: int):
         if self.disabled is not None or not self.buckets or num_updates < WARMUP_UPDATES:
             return None
+        if self._ls_adam is None or not self._grads_attached():
+            return None  # begin_update did not run, or the gradients were detached since (an OOM's zero_grad)
         if not isinstance(sample, dict) or not sample or set(sample.get("net_input", {})) - {"src_lengths"} \
                 != _NET_INPUT_KEYS - {"src_lengths"}:
             return None
@@ -257,6 +317,8 @@ class GraphStep:
         optimizer.backward(loss)
         g.grad.copy_(leaf.grad)
         g.bwd.replay()
+        (g.copy if self._fresh else g.add).replay()
+        self._fresh = False
         self.counts["graph"] += 1
         # detached: nothing may keep the head's autograd graph (and its AccumulateGrad nodes, bound to this
         # stream) alive into the next capture, whose backward would then wait on this stream
@@ -264,6 +326,12 @@ class GraphStep:
         return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
 
     # ------------------------------------------------------------------ buffers
+    def _grads_attached(self) -> bool:
+        """Whether the head's parameters still have their flat gradient views as ``p.grad``."""
+        head_params = list(self.model.decoder.output_projection.parameters())
+        head, _ = self._views_of_grads()
+        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(head_params, head))
+
     @staticmethod
     def _buffers_key(optimizer):
         """Addresses of ls_adam's flat weight and gradient buffers, which the graphs read and write."""
@@ -329,13 +397,39 @@ class GraphStep:
                 graph = None
                 if self.pool is None:
                     self.pool = fwd.pool()
+                _, body_grads = self._views_of_grads()
+                for p, _ in body_grads:  # autograd hands over each body gradient in the pool (no addition)
+                    p.grad = None
                 graph = bwd
                 bwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 torch.autograd.backward(feats, grad_in)
                 bwd.capture_end()
                 graph = None
                 del feats
+                dst = [v for p, v in body_grads if p.grad is not None]
+                src = [p.grad for p, _ in body_grads if p.grad is not None]
+                unreached = [v for p, v in body_grads if p.grad is None]
+                copy, add = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                graph = copy
+                copy.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                if unreached:
+                    torch._foreach_zero_(unreached)
+                copy.capture_end()
+                graph = add
+                add.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                if dst:
+                    torch._foreach_add_(dst, src)
+                add.capture_end()
+                graph = None
+                del dst, src, unreached
+                for p, v in body_grads:  # the pool's gradients are the graphs' own again
+                    p.grad = v
         except Exception as e:  # noqa: BLE001 - any failure: the eager step for the rest of the run
+            if self._grad_views is not None:
+                for p, v in self._grad_views[1]:
+                    p.grad = v
             if graph is not None:
                 try:
                     graph.capture_end()
@@ -352,7 +446,7 @@ class GraphStep:
                            self.disabled)
             return None
         cur.wait_stream(self.stream)
-        g = self.graphs[bucket] = _Graphs(fwd, bwd, views["src"], views["lengths"], views["prev"], feats_out, grad_in)
+        g = self.graphs[bucket] = _Graphs(fwd, bwd, copy, add, views["src"], views["lengths"], views["prev"], feats_out, grad_in)
         dt = time.perf_counter() - t0
         self.capture_seconds += dt
         logger.debug("CUDA-graph step: captured %s in %.0f ms", bucket, dt * 1e3)

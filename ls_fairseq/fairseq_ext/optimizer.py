@@ -132,10 +132,10 @@ class LSFairseqAdam(FairseqOptimizer):
     def sharded(self) -> bool:
         return self._optimizer.sharded
 
-    def zero_grad(self, in_place: bool = False):
+    def zero_grad(self, in_place: bool = False, fill: bool = True):
         if self.__dict__.get("_reduction") is not None:
             self._reduction.finish()  # a round nobody closed (an error between backward and step)
-        self._optimizer.zero_grad(in_place=in_place)
+        self._optimizer.zero_grad(in_place=in_place, fill=fill)
 
     def all_reduce_grads(self, module):
         """Under ``--ddp-backend legacy_ddp``: average the flat gradient buffers over the workers.

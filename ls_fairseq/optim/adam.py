@@ -156,17 +156,19 @@ class LSAdam(torch.optim.Optimizer):
             self._grad_factor = self._grad_factor * clip_coef
         return total
 
-    def zero_grad(self, set_to_none: bool = True, in_place: bool = False):
+    def zero_grad(self, set_to_none: bool = True, in_place: bool = False, fill: bool = True):
         """Clear the gradients: ``p.grad`` becomes None (``set_to_none`` is ignored); the flat
         buffers are refilled from the next backward's gradients when they are read. With
         ``in_place`` every ``p.grad`` is its view of the flat buffer instead, and the buffers are
         zeroed: the next backward adds into them (what a captured CUDA-graph backward needs, whose
-        gradient additions are fixed to those addresses)."""
+        gradient writes are fixed to those addresses). ``fill=False`` (with ``in_place``) attaches
+        the views but leaves the buffers as they are, for a caller that overwrites them itself."""
         for ws in self._workspaces:
             if in_place:
                 for buf in ws.buffers:
                     buf.sync(keep_grads=False)
-                    buf.grad.zero_()
+                    if fill:
+                        buf.grad.zero_()
             else:
                 ws.zero_grad()
         self._grad_factor = 1.0
