@@ -136,3 +136,33 @@ def test_a_reduction_covers_the_buffers_it_was_set_up_for():
     assert red.covers(opt.workspaces)
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(8))]})
     assert not red.covers(opt.workspaces)  # the optimizer wrapper then sets up a new reduction
+
+
+@pytest.mark.parametrize("when", ["before_the_first_update", "after_the_hooks"])
+def test_reduce_after_backward_only_keeps_or_takes_back_the_whole_buffer_reduction(when, monkeypatch, log):
+    """For a backward whose hooks do not run (the CUDA-graph step's replays): every update all-reduces the
+    whole flat buffers after the backward and the optimizer state stays whole, whether the reduction is told
+    before its first update or after it installed hooks and sharded the state (then it takes both back)."""
+    monkeypatch.setenv("LS_FAIRSEQ_SYNC_ALL_REDUCE", "0")
+    _peer_stand_ins(monkeypatch, True, True)
+    red, opt, ddp, model, reduced = _reduction(2, shard=True)
+    buffers = [buf.grad.data_ptr() for ws in opt.workspaces for buf in ws.buffers]
+    hooked = lambda: any(p._post_accumulate_grad_hooks for p in model.parameters())  # noqa: E731
+    if when == "before_the_first_update":
+        red.reduce_after_backward_only("replayed backward")
+    red.reduce()
+    assert opt.sharded == hooked() == (when == "after_the_hooks")
+    if when == "after_the_hooks":
+        red.reduce_after_backward_only("replayed backward")
+    red.reduce_after_backward_only("replayed backward")  # said once
+    assert isinstance(red.strategy, ReduceAfterBackward) and not opt.sharded and not hooked()
+    said = [x for x in log if "gradients all-reduced after the backward pass" in x]
+    assert said == ["ls_adam: gradients all-reduced after the backward pass, whole buffers (replayed backward); "
+                    "optimizer state not sharded"]
+    reduced.clear()
+    ddp.accumulate_grads = True  # inside no_sync(): nothing happens
+    red.reduce()
+    assert reduced == []
+    ddp.accumulate_grads = False
+    red.reduce()
+    assert reduced == buffers

@@ -50,8 +50,9 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
 The update's outcome is settled later (:mod:`ls_fairseq.fairseq_ext.pending_update`); the
 statistics summed across ranks are :mod:`ls_fairseq.fairseq_ext.step_stats`'s. With the CUDA-graph
 step (:mod:`ls_fairseq.fairseq_ext.graph_step`) each micro-batch's forward and backward are graph
-replays; the rest of the update is the same. :class:`DeferredStepMixin` holds methods of
-:class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
+replays; the rest of the update is the same, except that on several GPUs the gradients are
+all-reduced after the last backward, whole, and the optimizer state is not sharded.
+:class:`DeferredStepMixin` holds methods of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
 """
 
 import contextlib

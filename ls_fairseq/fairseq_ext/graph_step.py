@@ -24,6 +24,13 @@ the kernels draw their Philox seed and offset from torch's generator in the grap
 replay gets fresh numbers, and fairseq's per-update seeding reproduces them. The optimizer step
 (ls_adam's deferred step: norm, clip, overflow test, fused Adam) stays eager: a few kernels.
 
+On several GPUs (``--ddp-backend legacy_ddp``, lightseq-train's default for ls_adam) each GPU replays
+its own graphs, and ls_adam all-reduces its flat gradient buffers between graph launches: once per
+update, after the last micro-batch's backward (with ``--update-freq`` the earlier ones only
+accumulate). The reduction is not overlapped with the backward and the optimizer state is not
+sharded: both work through hooks in the backward, which run while a graph is captured, never when it
+is replayed (:meth:`GraphStep.begin_update`).
+
 All graphs share one memory pool: the activations a forward saves live until its backward has
 run, so the pool holds about one micro-batch's activations whatever the number of buckets. The
 graphs are captured on a bucket's first batch after a short eager warm-up (library handles,
@@ -114,8 +121,9 @@ def unsupported_reason(trainer) -> Optional[str]:
         return "not on a CUDA device"
     cfg = trainer.cfg
     model, criterion, task = trainer._model, trainer._criterion, trainer.task
-    if trainer.data_parallel_world_size > 1:
-        return "more than one GPU (the graphs hold one GPU's step)"
+    backend = cfg.distributed_training.ddp_backend
+    if trainer.data_parallel_world_size > 1 and backend not in ("legacy_ddp", "no_c10d"):
+        return f"--ddp-backend {backend} on several GPUs (the graphs need legacy_ddp)"
     if type(model) is not LSTransformerModel:
         return f"model {type(model).__name__} (the graphs hold ls_transformer)"
     if type(criterion) is not LSLabelSmoothedCrossEntropyCriterion:
@@ -147,10 +155,15 @@ class _Graphs:
 
 class GraphStep:
     """The CUDA-graph micro-batch of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer` (module
-    docstring). :meth:`micro_batch` returns None for a batch it leaves to the eager step."""
+    docstring). :meth:`micro_batch` returns None for a batch it leaves to the eager step.
 
-    def __init__(self, trainer, max_buckets: int = DEFAULT_BUCKETS):
+    ``replay=False``: each batch is padded to its bucket and runs :func:`split_step` instead of the
+    graphs (any device; the tests check the graph step's arithmetic with it on the CPU)."""
+
+    def __init__(self, trainer, max_buckets: int = DEFAULT_BUCKETS, replay: bool = True):
         self.trainer = trainer
+        self.replay = bool(replay)
+        self.world_size = trainer.data_parallel_world_size
         self.model = trainer._model
         self.criterion = trainer._criterion
         self.max_buckets = int(max_buckets)
@@ -203,7 +216,7 @@ class GraphStep:
     def _alloc_shared(self):
         """The device buffers every bucket's graphs read and write (only one bucket runs at a time),
         and pinned host buffers for the batches' single transfer."""
-        if not self.buckets:
+        if not self.buckets or not self.replay:
             return
         C = self.model.decoder.embed_tokens.embedding_dim
         n_in = max(b.sentences * (b.src_len + b.tgt_len + 1) + 2 * b.sentences * b.tgt_len for b in self.buckets)
@@ -228,8 +241,16 @@ class GraphStep:
         the eager head accumulates into (the output projection's weight) are zeroed. The first
         graphed micro-batch writes every other gradient over its slice; a micro-batch that takes
         the eager step, or an update that ends with none graphed, zeroes the buffers first
-        (:meth:`end_micro_batches`)."""
+        (:meth:`end_micro_batches`).
+
+        With several GPUs ls_adam all-reduces those buffers after the last micro-batch's backward,
+        between graph launches: the hooks that overlap the reduction with the backward would run only
+        while a graph is captured, not when it is replayed. (The graphed micro-batches skip the DDP
+        wrapper's ``no_sync()``; under legacy_ddp that only tells the reduction to wait, and the
+        reduction runs once per update, after all of them.)"""
         ls_adam.zero_grad(in_place=True, fill=False)
+        if self.world_size > 1:
+            ls_adam.reduce_after_backward_only("the CUDA-graph step replays the backward, where hooks do not run")
         if ls_adam is not self._ls_adam:
             self._ls_adam, self._grad_views = ls_adam, None
         head, _ = self._views_of_grads()
@@ -296,6 +317,12 @@ class GraphStep:
             return None
         if self.model.training is False or self.criterion.training is False:
             return None
+        if not self.replay:
+            self._make_zero()  # split_step's backward adds into the flat gradient buffers
+            loss, sample_size, log = split_step(self.model, self.criterion, sample, bucket, self.pad, self.eos,
+                                                self.left_pad_source, backward=optimizer.backward)
+            self.counts["graph"] += 1
+            return loss.detach(), sample_size, log
         src, lengths, prev, rows, target_rows = padded_inputs(sample, bucket, self.criterion, self.pad, self.eos,
                                                               self.left_pad_source)
         key = self._buffers_key(optimizer)

@@ -22,8 +22,10 @@ backward, or in buckets while it runs) and does it. Once :meth:`LSFairseqAdam.re
 called (the deferred step of ``lightseq-train`` does: by default, ``LS_FAIRSEQ_SHARD_ADAM=p2p``, only where
 the ranks can write each other's weights; with ``=1`` always; ``=0`` keeps the whole state on every rank)
 the buckets are reduce-scattered and each rank updates only its own part of the state
-(:class:`~ls_fairseq.optim.adam.LSAdam`). Checkpoints still hold the whole state: fairseq consolidates
-the optimizer on every rank before saving, so they load on any number of GPUs.
+(:class:`~ls_fairseq.optim.adam.LSAdam`). Under the CUDA-graph step the gradients are all-reduced
+after the backward, whole, and every rank keeps the whole state
+(:meth:`LSFairseqAdam.reduce_after_backward_only`). Checkpoints still hold the whole state: fairseq
+consolidates the optimizer on every rank before saving, so they load on any number of GPUs.
 """
 
 import ast
@@ -82,6 +84,7 @@ class LSFairseqAdam(FairseqOptimizer):
         super().__init__(cfg)
         self._optimizer = LSAdam(params, **self.optimizer_config)
         self._shard_requested = False
+        self._after_backward_only = None
         ws = self._optimizer.workspaces
         logger.info(
             "ls_adam: %d parameters in %s",
@@ -127,6 +130,19 @@ class LSFairseqAdam(FairseqOptimizer):
         reduction = self.__dict__.get("_reduction")
         if reduction is not None:
             reduction.shard = on  # read when it chooses its strategy (after its first update)
+
+    def reduce_after_backward_only(self, reason: str):
+        """Under ``--ddp-backend legacy_ddp``: reduce the gradients after the backward in every update
+        (one all-reduce per flat buffer), never from hooks in the backward, with the whole optimizer
+        state on every rank (:meth:`GradReduction.reduce_after_backward_only
+        <ls_fairseq.optim.reduction.GradReduction.reduce_after_backward_only>`); ``reason`` is logged
+        once. The CUDA-graph step calls it: its backwards are graph replays, where no hook runs."""
+        if self._after_backward_only == reason:
+            return
+        self._after_backward_only = reason
+        reduction = self.__dict__.get("_reduction")
+        if reduction is not None:
+            reduction.reduce_after_backward_only(reason)
 
     @property
     def sharded(self) -> bool:
@@ -181,9 +197,12 @@ class LSFairseqAdam(FairseqOptimizer):
         from ls_fairseq.optim.reduction import GradReduction
 
         group = ddp.process_group
-        return GradReduction(self._optimizer, ddp, lambda t: distributed_utils.all_reduce(t, group),
-                             can_overlap=not distributed_utils.use_xla() and not isinstance(group, tuple),
-                             bucket_bytes=self._bucket_bytes(), shard=self._shard_requested)
+        reduction = GradReduction(self._optimizer, ddp, lambda t: distributed_utils.all_reduce(t, group),
+                                  can_overlap=not distributed_utils.use_xla() and not isinstance(group, tuple),
+                                  bucket_bytes=self._bucket_bytes(), shard=self._shard_requested)
+        if self._after_backward_only is not None:
+            reduction.reduce_after_backward_only(self._after_backward_only)
+        return reduction
 
     def _drop_reduction(self):
         reduction = self.__dict__.pop("_reduction", None)

@@ -9,7 +9,10 @@ decided here, once, after the first update:
   the hooks that overlap the reduction with the backward are installed only then, and with that
   update's gradients averaged whole the optimizer state may be sharded right away.
 * Where the reduction cannot overlap the backward (one rank, XLA, no post-accumulate-grad hooks,
-  ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1``) it stays that way.
+  ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1``) it stays that way. So it does where the backward's hooks do not
+  run (:meth:`GradReduction.reduce_after_backward_only`): the CUDA-graph step replays backwards that
+  were captured once, and the hooks run only at capture time; its gradients are reduced between graph
+  launches, once the last micro-batch's backward is over, with the whole optimizer state on every rank.
 * Otherwise buckets are reduced while the backward runs: all-reduced
   (:class:`~ls_fairseq.optim.reduction_strategies.OverlappedAllReduce`), or, when sharding was requested
   and every bucket splits evenly, reduce-scattered
@@ -69,6 +72,7 @@ class GradReduction:
         self.strategy: ReductionStrategy = ReduceAfterBackward(self.workspaces, ddp.world_size, all_reduce)
         self._chosen = False
         self._gather_waits = None
+        self.after_backward_only = None  # why every update reduces after the backward (None: the choice decides)
 
     def reduce(self) -> None:
         """``all_reduce_grads``: average this update's gradients, or make the stream wait for the average
@@ -79,6 +83,21 @@ class GradReduction:
         if not self._chosen:
             self._chosen = True
             self.strategy = self._choose()
+
+    def reduce_after_backward_only(self, reason: str) -> None:
+        """Reduce after the backward in every update from now on (one all-reduce per flat buffer), with
+        the whole optimizer state on every rank: for a backward whose post-accumulate-grad hooks do not run
+        (``reason``, logged once). Hooks already installed are taken off as :meth:`remove` does (collective
+        where the state was sharded: every rank calls this at the same update)."""
+        if self.after_backward_only is not None:
+            return
+        self.after_backward_only = reason
+        if self._chosen and not isinstance(self.strategy, ReduceAfterBackward):
+            after_backward = self.strategy.after_backward
+            self.remove()
+            self.strategy = after_backward
+        logger.info("ls_adam: gradients all-reduced after the backward pass, whole buffers (%s)%s", reason,
+                    "; optimizer state not sharded" if self.shard else "")
 
     def finish(self) -> None:
         """Close a round that a backward started and nobody waited for (an error between the backward and
@@ -117,7 +136,7 @@ class GradReduction:
         """The strategy of every update after the first (see the module docstring), set up: hooks, peer
         mappings (collective), sharded optimizer state, layer-by-layer waits."""
         after_backward = self.strategy
-        if not self._overlap_applies():
+        if self.after_backward_only is not None or not self._overlap_applies():
             return after_backward
         ddp, world, group = self.ddp, self.ddp.world_size, self.ddp.process_group
         buckets = bucket_order(self.workspaces, self.bucket_bytes)

@@ -1,9 +1,11 @@
 """lightseq-train on GPUs: on two through NCCL (skipped with fewer) the update takes the same steps
-as one GPU with --update-freq 2; on one and on two, train_step reads no tensor value on the host
-(each read stalls the GPU; with two ranks fairseq's meters once did so 8 times per update)."""
+as one GPU with --update-freq 2, with the CUDA-graph step and with the eager step; on one and on two,
+train_step reads no tensor value on the host (each read stalls the GPU; with two ranks fairseq's meters
+once did so 8 times per update)."""
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -23,19 +25,26 @@ def _need_two_gpus():
 
 
 def _one_gpu(data, save_dir, flags, runner=None):
-    """lightseq-train as one process on GPU 0; its train_inner records by update."""
+    """lightseq-train as one process on GPU 0: (its train_inner records by update, its log)."""
     prefix = runner or [sys.executable, "-m", "ls_fairseq.cli.train"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0")
     out = run_checked([*prefix, data, "--save-dir", str(save_dir), *flags], ROOT, env, timeout=300)
-    return train_inner_records(out)
+    return train_inner_records(out), out
+
+
+def _graphed_micro_batches(log: str) -> int:
+    """The micro-batches a run's log says the CUDA-graph step replayed (its last summary line)."""
+    counts = re.findall(r"CUDA-graph step: (\d+) micro-batches from \d+ captured buckets", log)
+    return int(counts[-1]) if counts else 0
 
 
 def _ten_updates_per_setting(data_bin, tmp_path, precision, settings):
     """lightseq-train on two GPUs (NCCL), ten updates from the same batches (dropout 0, grouped shuffling),
     once per ``(name, env)`` of ``settings``, each in ``tmp_path / name``: {name: train_inner records by
-    update}."""
+    update}. The eager step: the reductions overlapped with the backward and the sharded state work through
+    hooks in the backward, which the CUDA-graph step does not use."""
     flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
-             "--grouped-shuffling", "--disable-validation"]
+             "--grouped-shuffling", "--disable-validation", "--ls-graph-step", "off"]
     runs = {}
     for name, env in settings:
         (tmp_path / name).mkdir()
@@ -52,18 +61,30 @@ def _assert_same_updates(a, b, keys):
             assert a[u].get(k) == b[u].get(k), (u, k, a[u], b[u])
 
 
+@pytest.mark.parametrize("step", ["on", "off"], ids=["graph_step", "eager_step"])
 @pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])
-def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_path, precision):
+def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_path, precision, step):
+    """With the CUDA-graph step each GPU replays its graphs and ls_adam all-reduces the flat gradients
+    between graph launches, after the backward (the CPU check of the same arithmetic with two gloo ranks:
+    tests/test_graph_step_multi.py); with the eager step the all-reduce overlaps the backward."""
     from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
 
     _need_two_gpus()
     patch_checkpoint_loading()  # fairseq's checkpoint reader under torch >= 2.6, as lightseq-train does
     flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
-             "--grouped-shuffling"]
+             "--grouped-shuffling", "--ls-graph-step", step]
     two_dir, one_dir = tmp_path / "two", tmp_path / "one"
     two_dir.mkdir()
     two = lightseq_train_two_ranks(data_bin, two_dir, two_dir, flags, backend="nccl")
-    one = _one_gpu(data_bin, one_dir, [*flags, "--update-freq", "2"])
+    one, one_log = _one_gpu(data_bin, one_dir, [*flags, "--update-freq", "2"])
+    two_log = (two_dir / "rank0.log").read_text()
+    if step == "on":  # the first two updates are eager (graph_step.WARMUP_UPDATES)
+        assert _graphed_micro_batches(two_log) >= 8 and _graphed_micro_batches(one_log) >= 16, two_log[-3000:]
+        assert "gradients all-reduced after the backward pass, whole buffers" in two_log
+        assert "optimizer state sharded" not in two_log and "overlapped with the backward" not in two_log
+    else:
+        assert _graphed_micro_batches(two_log) == _graphed_micro_batches(one_log) == 0
+        assert "overlapped with the backward" in two_log
     assert sorted(one) == sorted(two) == list(range(1, 11))
     for u in one:
         for k in ("wpb", "bsz"):

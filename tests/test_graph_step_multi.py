@@ -1,0 +1,142 @@
+"""The CUDA-graph step on several ranks, checked on the CPU with two gloo ranks.
+
+CUDA graphs do not run on the CPU; here the graph step runs its arithmetic instead of the replays
+(``GraphStep(replay=False)``: each batch padded to its shape bucket, then :func:`split_step`), and
+everything else is lightseq-train's: the bucket plan, the eligibility checks (as if on a GPU), the
+deferred step's calls, the in-place zeroing of ls_adam's flat gradients and their reduction across
+the ranks. Five updates (dropout 0, fp32, two shape buckets, so that batches are padded) are trained
+
+(a) on two ranks, each taking one of the two batches of every update, with the graph step;
+(b) in one process with --update-freq 2 over the same batches, with the graph step;
+(c) in one process with --update-freq 2, eager (--ls-graph-step off),
+
+and each batch's loss and the final weights must agree. Not bit for bit: (a) sums the two batches'
+gradients across the ranks, (b) and (c) accumulate them in one buffer in another order (the head's
+backward and the body's backward add into the shared embedding's gradient one after the other), and
+(b) and (c) compute matrix products of other shapes (the padded ones), which round differently."""
+
+import contextlib
+import os
+
+import torch
+
+from _models import lightseq_train, log_lines, save_rank_result, two_rank_results
+from test_end_to_end import TRAIN_FLAGS, _params
+
+UPDATES = 5
+FLAGS = [*TRAIN_FLAGS, "--dropout", "0", "--max-update", str(UPDATES), "--ls-graph-buckets", "2",
+         "--grouped-shuffling", "--disable-validation"]
+GRAPHED = UPDATES - 2  # the graph step starts after two eager updates (graph_step.WARMUP_UPDATES)
+REDUCED_AFTER_BACKWARD = "ls_adam: gradients all-reduced after the backward pass, whole buffers"
+
+
+class _AsIfOnCuda:
+    """A trainer that says it is on a GPU, for graph_step.unsupported_reason's other checks."""
+
+    cuda = True
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+
+    def __getattr__(self, name):
+        return getattr(self._trainer, name)
+
+
+@contextlib.contextmanager
+def _graph_step_on_cpu():
+    """lightseq-train's graph step on the CPU, without the replays; yields what it records: the
+    engines made, and the loss of every micro-batch in order (graph step or eager)."""
+    from fairseq.tasks import FairseqTask
+
+    from ls_fairseq.fairseq_ext import graph_step
+    from ls_fairseq.fairseq_ext.shape_buckets import choose
+
+    seen = {"engines": [], "losses": [], "padded": 0}
+    real_reason, real_engine, real_train_step = graph_step.unsupported_reason, graph_step.GraphStep, \
+        FairseqTask.train_step
+
+    class CpuGraphStep(real_engine):
+        def __init__(self, trainer, max_buckets):
+            super().__init__(trainer, max_buckets, replay=False)
+            seen["engines"].append(self)
+
+        def micro_batch(self, sample, optimizer, num_updates):
+            out = super().micro_batch(sample, optimizer, num_updates)
+            if out is not None:
+                seen["losses"].append(float(out[2]["loss"]))
+                shape = (sample["net_input"]["src_tokens"].shape + sample["net_input"]["prev_output_tokens"].shape[1:])
+                bucket = choose(self.buckets, *shape)
+                seen["padded"] += shape != (bucket.sentences, bucket.src_len, bucket.tgt_len)
+            return out
+
+    def train_step(self, *args, **kwargs):  # the eager micro-batches
+        out = real_train_step(self, *args, **kwargs)
+        seen["losses"].append(float(out[2]["loss"]))
+        return out
+
+    graph_step.unsupported_reason = lambda trainer: real_reason(_AsIfOnCuda(trainer))
+    graph_step.GraphStep = CpuGraphStep
+    FairseqTask.train_step = train_step
+    try:
+        yield seen
+    finally:
+        graph_step.unsupported_reason, graph_step.GraphStep = real_reason, real_engine
+        FairseqTask.train_step = real_train_step
+
+
+def _flat_reduction(engine):
+    """(the reduction strategy's class name, whether ls_adam's state is sharded) of the run's ls_adam."""
+    from ls_fairseq.fairseq_ext.pending_update import _inner_and_scaler
+
+    ls_adam, _ = _inner_and_scaler(engine.trainer.optimizer)
+    return type(ls_adam._reduction.strategy).__name__, ls_adam.sharded
+
+
+def _two_rank_worker(rank, port, out_dir):
+    os.environ["LS_FAIRSEQ_SHARD_ADAM"] = "1"  # asked for: the graph step keeps the whole state anyway
+    save = os.path.join(out_dir, "two")
+    with _graph_step_on_cpu() as seen, log_lines() as lines:
+        lightseq_train([os.path.join(out_dir, "data"), "--save-dir", save, *FLAGS,
+                        "--distributed-world-size", "2", "--distributed-rank", str(rank),
+                        "--distributed-backend", "gloo", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+                        "--distributed-no-spawn"])
+    engine, = seen["engines"]
+    save_rank_result(out_dir, rank, {"losses": seen["losses"], "graphed": engine.counts["graph"],
+                                     "padded": seen["padded"], "reduction": _flat_reduction(engine),
+                                     "lines": lines})
+
+
+def test_two_ranks_with_the_graph_step_take_the_updates_of_one_process_with_update_freq_2(data_bin, tmp_path):
+    os.symlink(data_bin, tmp_path / "data")
+    ranks = two_rank_results(_two_rank_worker, tmp_path)
+
+    with _graph_step_on_cpu() as one:
+        lightseq_train([data_bin, "--save-dir", str(tmp_path / "one"), *FLAGS, "--update-freq", "2"])
+    with _graph_step_on_cpu() as eager:
+        lightseq_train([data_bin, "--save-dir", str(tmp_path / "eager"), *FLAGS, "--update-freq", "2",
+                        "--ls-graph-step", "off"])
+
+    # the graph step ran on both ranks, through padded batches, and the reduction stayed after the backward
+    engine, = one["engines"]
+    assert engine.counts["graph"] == 2 * GRAPHED and one["padded"] > 0
+    assert eager["engines"] == [] and len(eager["losses"]) == 2 * UPDATES
+    for r in ranks:
+        assert r["graphed"] == GRAPHED and r["padded"] > 0
+        assert r["reduction"] == ("ReduceAfterBackward", False)
+        said = [x for x in r["lines"] if REDUCED_AFTER_BACKWARD in x]
+        assert len(said) == 1 and "optimizer state not sharded" in said[0], said
+        assert not any("CUDA-graph step off" in x for x in r["lines"])
+
+    # rank r's batch of update u is micro-batch r of update u in one process
+    two = [loss for u in range(UPDATES) for loss in (ranks[0]["losses"][u], ranks[1]["losses"][u])]
+    assert len(ranks[0]["losses"]) == len(ranks[1]["losses"]) == UPDATES
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-6)
+
+    weights = {name: _params(str(tmp_path / name / "checkpoint_last.pt")) for name in ("two", "one", "eager")}
+    for a, b in (("two", "one"), ("one", "eager")):
+        for k in weights[b]:
+            if k.endswith("k_proj.bias"):  # no effect on the softmax: rounding noise, which Adam scales up to lr
+                torch.testing.assert_close(weights[a][k], weights[b][k], rtol=0, atol=UPDATES * 1e-3, msg=k)
+                continue
+            torch.testing.assert_close(weights[a][k], weights[b][k], rtol=1e-5, atol=1e-6, msg=f"{a}/{b}: {k}")
