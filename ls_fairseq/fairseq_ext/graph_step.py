@@ -49,7 +49,7 @@ from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, p
 
 logger = logging.getLogger("fairseq.trainer")
 
-DEFAULT_BUCKETS = 48
+DEFAULT_BUCKETS = 64
 # Set by lightseq-train (--ls-graph-step, --ls-graph-buckets) in every training process before the
 # trainer is built; LSTrainer reads it when it takes its first step.
 OPTIONS = {"on": False, "buckets": DEFAULT_BUCKETS}
