@@ -15,8 +15,9 @@ Every fairseq-train flag works unchanged. Differences from plain ``fairseq-train
   run with ``--update-freq N*k`` takes exactly the updates of N GPUs with ``--update-freq k``;
 * ``--optimizer ls_adam`` in a distributed run (``--distributed-world-size`` > 1, whose default
   is the number of visible GPUs) without ``--ddp-backend`` on the command line trains under
-  ``--ddp-backend legacy_ddp``: ls_adam then all-reduces its flat gradient buffers itself, in
-  buckets overlapped with the backward pass. A ``--ddp-backend`` you give is kept;
+  ``--ddp-backend legacy_ddp``: ls_adam then all-reduces its flat gradient buffers itself (in
+  buckets overlapped with the backward pass in the eager step, after the backward in the CUDA-graph
+  step). A ``--ddp-backend`` you give is kept;
 * ``--bf16`` / ``--memory-efficient-bf16`` train in bfloat16 on the GPU (or the CPU with
   ``--cpu``). In fairseq 0.12 ``--bf16`` also switches on ``--tpu``, which makes the trainer
   ask torch_xla for a device and fail on any machine without one. lightseq-train parses the
@@ -221,8 +222,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "fairseq's FP16Optimizer copy)", "bf16" if args.bf16 else "fp16")
     if ls_adam_reduces_gradients(args, argv):
         logger.info("--optimizer ls_adam with --distributed-world-size %d: --ddp-backend legacy_ddp, under "
-                    "which ls_adam all-reduces its flat gradient buffers itself, overlapped with the backward "
-                    "pass (give --ddp-backend to choose another backend)", args.distributed_world_size)
+                    "which ls_adam all-reduces its flat gradient buffers itself (overlapped with the backward "
+                    "pass in the eager step, after it in the CUDA-graph step; give --ddp-backend to choose another "
+                    "backend)", args.distributed_world_size)
     if ls_adam_bucket_size(args, argv):
         logger.info("--optimizer ls_adam under legacy_ddp: gradient buckets of %d MB (give --bucket-cap-mb to "
                     "choose another size)", args.bucket_cap_mb)
