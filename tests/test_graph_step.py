@@ -206,3 +206,47 @@ def test_the_graphs_follow_a_rebuilt_optimizer():
     wrapped = types.SimpleNamespace(wrapped_optimizer=b)
     assert GraphStep._buffers_key(_ScaledLossOptimizer(wrapped, None)) == GraphStep._buffers_key(b)
     assert GraphStep._buffers_key(torch.optim.SGD(net.parameters(), lr=0.1)) is None
+
+
+def test_graph_grads_zero_only_the_head_and_zero_all_before_an_eager_micro_batch():
+    """begin_update attaches every p.grad to its flat view and zeroes only the output projection's slice
+    (the first graphed micro-batch overwrites the rest); make_zero zeroes all of it once, before an eager
+    micro-batch adds into it; an unset head gradient (an OOM's zero_grad) is noticed."""
+    from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
+    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+            self.output_projection = torch.nn.Linear(4, 6, bias=False)
+
+    model = torch.nn.Module()
+    model.decoder = Decoder()
+    opt = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(model.parameters()))
+    grads = GraphGrads(model)
+    assert not grads.attached()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    opt._optimizer.zero_grad(in_place=True)  # views attached, then stale values in the buffer
+    flat = opt._optimizer.workspaces[0].buffers[0]
+    flat.grad.fill_(7.0)
+    grads.begin_update(opt)
+    head_w = model.decoder.output_projection.weight
+    assert grads.attached() and grads.fresh
+    head, body = grads.views()
+    assert [v.data_ptr() for v in head] == [head_w.grad.data_ptr()]
+    assert {id(p) for p, _ in body} == {id(model.decoder.layer.weight), id(model.decoder.layer.bias)}
+    assert torch.all(head_w.grad == 0)
+    assert torch.all(model.decoder.layer.weight.grad == 7)  # left for the graphs' copy to overwrite
+    grads.make_zero()
+    assert not grads.fresh and torch.all(flat.grad == 0)
+    flat.grad.fill_(3.0)
+    grads.make_zero()  # once per update: what a micro-batch wrote since stays
+    assert torch.all(flat.grad == 3)
+    grads.detach_body()
+    assert model.decoder.layer.weight.grad is None and head_w.grad is not None
+    grads.reattach_body()
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in body)
+    head_w.grad = None
+    assert not grads.attached()

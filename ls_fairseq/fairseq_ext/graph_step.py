@@ -16,7 +16,7 @@ buffers. A micro-batch is then:
 4. the backward graph replayed, and after it one multi-tensor write of every other parameter's
    gradient into ls_adam's flat gradient buffer: a copy for the update's first micro-batch (the
    buffer is not zeroed beforehand), an addition for the later ones of ``--update-freq``
-   (:meth:`GraphStep.begin_update`).
+   (:mod:`ls_fairseq.fairseq_ext.graph_grads`).
 
 The loss, the gradients and the logged statistics are those of the unpadded batch (padding is
 ignored by the masks and the loss; see :func:`shape_buckets.pad_batch`). Dropout stays random:
@@ -45,6 +45,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, pad_batch, plan_buckets, plan_report
 
 logger = logging.getLogger("fairseq.trainer")
@@ -183,9 +184,7 @@ class GraphStep:
         self._host_events = []
         self._turn = 0
         self._dev_in = self._feat_buf = self._grad_buf = None
-        self._ls_adam = None
-        self._grad_views = None  # (head views, body [(param, view)]) of the flat gradient buffers
-        self._fresh = False  # the flat gradient buffers hold stale values that the next micro-batch overwrites
+        self.grads = GraphGrads(self.model, self.world_size)
         import atexit
 
         atexit.register(self.close)
@@ -236,55 +235,13 @@ class GraphStep:
 
     # ------------------------------------------------------------------ the gradient buffers
     def begin_update(self, ls_adam) -> None:
-        """Before an update's micro-batches (in place of ``ls_adam.zero_grad(in_place=True)``): every
-        ``p.grad`` becomes its view of ls_adam's flat gradient buffers, and only the slices that
-        the eager head accumulates into (the output projection's weight) are zeroed. The first
-        graphed micro-batch writes every other gradient over its slice; a micro-batch that takes
-        the eager step, or an update that ends with none graphed, zeroes the buffers first
-        (:meth:`end_micro_batches`).
-
-        With several GPUs ls_adam all-reduces those buffers after the last micro-batch's backward,
-        between graph launches: the hooks that overlap the reduction with the backward would run only
-        while a graph is captured, not when it is replayed. (The graphed micro-batches skip the DDP
-        wrapper's ``no_sync()``; under legacy_ddp that only tells the reduction to wait, and the
-        reduction runs once per update, after all of them.)"""
-        ls_adam.zero_grad(in_place=True, fill=False)
-        if self.world_size > 1:
-            ls_adam.reduce_after_backward_only("the CUDA-graph step replays the backward, where hooks do not run")
-        if ls_adam is not self._ls_adam:
-            self._ls_adam, self._grad_views = ls_adam, None
-        head, _ = self._views_of_grads()
-        if head:
-            torch._foreach_zero_(head)
-        self._fresh = True
+        """Before an update's micro-batches: :meth:`GraphGrads.begin_update
+        <ls_fairseq.fairseq_ext.graph_grads.GraphGrads.begin_update>`."""
+        self.grads.begin_update(ls_adam)
 
     def end_micro_batches(self) -> None:
         """After the update's micro-batches: buffers that no micro-batch wrote are zeroed."""
-        self._make_zero()
-
-    def _make_zero(self) -> None:
-        if self._fresh:
-            self._fresh = False
-            for ws in self._ls_adam._optimizer.workspaces:
-                for buf in ws.buffers:
-                    buf.grad.zero_()
-
-    def _views_of_grads(self):
-        """(the gradient views of the head's parameters, [(parameter, gradient view)] of all others)."""
-        if self._grad_views is None:
-            head_ids = {id(p) for p in self.model.decoder.output_projection.parameters()}
-            head, body = [], []
-            for ws in self._ls_adam._optimizer.workspaces:
-                for buf in ws.buffers:
-                    for i, p in enumerate(buf.params):
-                        if p.numel() == 0:
-                            continue
-                        if id(p) in head_ids:
-                            head.append(buf.grad_view(i))
-                        else:
-                            body.append((p, buf.grad_view(i)))
-            self._grad_views = (head, body)
-        return self._grad_views
+        self.grads.make_zero()
 
     # ------------------------------------------------------------------ one micro-batch
     def micro_batch(self, sample, optimizer, num_updates: int):
@@ -292,14 +249,14 @@ class GraphStep:
         sample_size, logging_output) as the task's train_step does, or None: take the eager step
         (whose backward adds into the flat gradient buffers, zeroed here first)."""
         out = self._micro_batch(sample, optimizer, num_updates)
-        if out is None and self._ls_adam is not None:
-            self._make_zero()
+        if out is None:
+            self.grads.make_zero()
         return out
 
     def _micro_batch(self, sample, optimizer, num_updates: int):
         if self.disabled is not None or not self.buckets or num_updates < WARMUP_UPDATES:
             return None
-        if self._ls_adam is None or not self._grads_attached():
+        if not self.grads.attached():
             return None  # begin_update did not run, or the gradients were detached since (an OOM's zero_grad)
         if not isinstance(sample, dict) or not sample or set(sample.get("net_input", {})) - {"src_lengths"} \
                 != _NET_INPUT_KEYS - {"src_lengths"}:
@@ -318,7 +275,7 @@ class GraphStep:
         if self.model.training is False or self.criterion.training is False:
             return None
         if not self.replay:
-            self._make_zero()  # split_step's backward adds into the flat gradient buffers
+            self.grads.make_zero()  # split_step's backward adds into the flat gradient buffers
             loss, sample_size, log = split_step(self.model, self.criterion, sample, bucket, self.pad, self.eos,
                                                 self.left_pad_source, backward=optimizer.backward)
             self.counts["graph"] += 1
@@ -344,8 +301,7 @@ class GraphStep:
         optimizer.backward(loss)
         g.grad.copy_(leaf.grad)
         g.bwd.replay()
-        (g.copy if self._fresh else g.add).replay()
-        self._fresh = False
+        self.grads.replay_write(g.copy, g.add)
         self.counts["graph"] += 1
         # detached: nothing may keep the head's autograd graph (and its AccumulateGrad nodes, bound to this
         # stream) alive into the next capture, whose backward would then wait on this stream
@@ -353,12 +309,6 @@ class GraphStep:
         return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
 
     # ------------------------------------------------------------------ buffers
-    def _grads_attached(self) -> bool:
-        """Whether the head's parameters still have their flat gradient views as ``p.grad``."""
-        head_params = list(self.model.decoder.output_projection.parameters())
-        head, _ = self._views_of_grads()
-        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(head_params, head))
-
     @staticmethod
     def _buffers_key(optimizer):
         """Addresses of ls_adam's flat weight and gradient buffers, which the graphs read and write."""
@@ -424,39 +374,16 @@ class GraphStep:
                 graph = None
                 if self.pool is None:
                     self.pool = fwd.pool()
-                _, body_grads = self._views_of_grads()
-                for p, _ in body_grads:  # autograd hands over each body gradient in the pool (no addition)
-                    p.grad = None
+                self.grads.detach_body()  # autograd hands over each body gradient in the pool (no addition)
                 graph = bwd
                 bwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 torch.autograd.backward(feats, grad_in)
                 bwd.capture_end()
                 graph = None
                 del feats
-                dst = [v for p, v in body_grads if p.grad is not None]
-                src = [p.grad for p, _ in body_grads if p.grad is not None]
-                unreached = [v for p, v in body_grads if p.grad is None]
-                copy, add = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-                graph = copy
-                copy.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                if dst:
-                    torch._foreach_copy_(dst, src)
-                if unreached:
-                    torch._foreach_zero_(unreached)
-                copy.capture_end()
-                graph = add
-                add.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                if dst:
-                    torch._foreach_add_(dst, src)
-                add.capture_end()
-                graph = None
-                del dst, src, unreached
-                for p, v in body_grads:  # the pool's gradients are the graphs' own again
-                    p.grad = v
+                copy, add = self.grads.capture_writes(self.pool)
         except Exception as e:  # noqa: BLE001 - any failure: the eager step for the rest of the run
-            if self._grad_views is not None:
-                for p, v in self._grad_views[1]:
-                    p.grad = v
+            self.grads.reattach_body()
             if graph is not None:
                 try:
                     graph.capture_end()
