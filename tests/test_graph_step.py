@@ -173,9 +173,11 @@ def test_graph_flags_parse_and_reach_the_options(tmp_path):
     base = [str(tmp_path), "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3",
             "--criterion", "ls_label_smoothed_cross_entropy", "--max-tokens", "64", "--cpu"]
     args = train.parse(base)
-    assert train.graph_options(args) == {"on": True, "buckets": 64}
+    assert train.graph_options(args) == {"on": True, "several_gpus": False, "buckets": 64}
+    args = train.parse(base + ["--ls-graph-step", "on"])
+    assert train.graph_options(args) == {"on": True, "several_gpus": True, "buckets": 64}
     args = train.parse(base + ["--ls-graph-step", "off", "--ls-graph-buckets", "7"])
-    assert train.graph_options(args) == {"on": False, "buckets": 7}
+    assert train.graph_options(args) == {"on": False, "several_gpus": False, "buckets": 7}
     with pytest.raises(SystemExit):
         train.parse(base + ["--ls-graph-buckets", "0"])
 
@@ -250,3 +252,20 @@ def test_graph_grads_zero_only_the_head_and_zero_all_before_an_eager_micro_batch
     assert all(p.grad.data_ptr() == v.data_ptr() for p, v in body)
     head_w.grad = None
     assert not grads.attached()
+
+
+def test_several_gpus_take_the_graphs_only_when_asked(monkeypatch):
+    """--ls-graph-step auto (the default) leaves multi-GPU runs to the eager step and says how to turn the
+    graphs on; --ls-graph-step on passes that check (the other backends are still refused)."""
+    from ls_fairseq.fairseq_ext import graph_step
+
+    def trainer(backend):
+        cfg = types.SimpleNamespace(distributed_training=types.SimpleNamespace(ddp_backend=backend))
+        return types.SimpleNamespace(cuda=True, cfg=cfg, data_parallel_world_size=2, _model=None, _criterion=None,
+                                     task=None)
+
+    monkeypatch.setitem(graph_step.OPTIONS, "several_gpus", False)
+    assert "--ls-graph-step on" in graph_step.unsupported_reason(trainer("legacy_ddp"))
+    monkeypatch.setitem(graph_step.OPTIONS, "several_gpus", True)
+    assert "the graphs need legacy_ddp" in graph_step.unsupported_reason(trainer("c10d"))
+    assert "model" in graph_step.unsupported_reason(trainer("legacy_ddp"))  # past the GPU checks, on to the model

@@ -99,7 +99,7 @@ def _two_rank_worker(rank, port, out_dir):
         lightseq_train([os.path.join(out_dir, "data"), "--save-dir", save, *FLAGS,
                         "--distributed-world-size", "2", "--distributed-rank", str(rank),
                         "--distributed-backend", "gloo", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-                        "--distributed-no-spawn"])
+                        "--distributed-no-spawn", "--ls-graph-step", "on"])
     engine, = seen["engines"]
     save_rank_result(out_dir, rank, {"losses": seen["losses"], "graphed": engine.counts["graph"],
                                      "padded": seen["padded"], "reduction": _flat_reduction(engine),

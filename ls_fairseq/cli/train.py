@@ -163,9 +163,10 @@ def use_ls_trainer(fairseq_train_module) -> bool:
 
 GRAPH_STEP_HELP = (
     "lightseq-train: replay each micro-batch's forward and backward from CUDA graphs (ls_transformer, "
-    "ls_label_smoothed_cross_entropy, ls_adam, one GPU; batches are padded to a few shape buckets, which "
-    "leaves the loss and gradients unchanged). Runs that cannot take it use the eager step and say why "
-    "in the log (default: on)"
+    "ls_label_smoothed_cross_entropy, ls_adam; batches are padded to a few shape buckets, which leaves the "
+    "loss and gradients unchanged). auto: on one GPU; on several GPUs the eager step, whose gradient "
+    "all-reduce overlaps the backward (on: the graphs there too, with the all-reduce after the backward). "
+    "Runs that cannot take it use the eager step and say why in the log (default: %(default)s)"
 )
 GRAPH_BUCKETS_HELP = (
     "lightseq-train: at most this many padded batch shapes (one pair of CUDA graphs each) for "
@@ -186,7 +187,8 @@ def _modify_parser(parser: argparse.ArgumentParser) -> None:
             action.help = GROUPED_HELP
     if not any(a.dest == "ls_graph_step" for a in parser._actions):  # fairseq calls this more than once
         group = parser.add_argument_group("lightseq-train")
-        group.add_argument("--ls-graph-step", choices=("on", "off"), default="on", help=GRAPH_STEP_HELP)
+        group.add_argument("--ls-graph-step", choices=("auto", "on", "off"), default="auto",
+                           help=GRAPH_STEP_HELP)
         group.add_argument("--ls-graph-buckets", type=int, default=DEFAULT_BUCKETS, metavar="N",
                            help=GRAPH_BUCKETS_HELP)
 
@@ -270,7 +272,8 @@ def check_device_args(args: argparse.Namespace) -> None:
 
 def graph_options(args: argparse.Namespace) -> dict:
     """lightseq-train's CUDA-graph flags, as :data:`ls_fairseq.fairseq_ext.graph_step.OPTIONS` takes them."""
-    return {"on": getattr(args, "ls_graph_step", "off") == "on", "buckets": int(getattr(args, "ls_graph_buckets", 1))}
+    mode = getattr(args, "ls_graph_step", "off")
+    return {"on": mode != "off", "several_gpus": mode == "on", "buckets": int(getattr(args, "ls_graph_buckets", 1))}
 
 
 # lightseq-train's --bucket-cap-mb where ls_adam reduces the gradients itself. Each bucket costs the

@@ -53,7 +53,8 @@ logger = logging.getLogger("fairseq.trainer")
 DEFAULT_BUCKETS = 64
 # Set by lightseq-train (--ls-graph-step, --ls-graph-buckets) in every training process before the
 # trainer is built; LSTrainer reads it when it takes its first step.
-OPTIONS = {"on": False, "buckets": DEFAULT_BUCKETS}
+# several_gpus: also in multi-GPU runs (--ls-graph-step on; auto leaves those to the eager step).
+OPTIONS = {"on": False, "several_gpus": False, "buckets": DEFAULT_BUCKETS}
 WARMUP_UPDATES = 2  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
 
@@ -123,8 +124,12 @@ def unsupported_reason(trainer) -> Optional[str]:
     cfg = trainer.cfg
     model, criterion, task = trainer._model, trainer._criterion, trainer.task
     backend = cfg.distributed_training.ddp_backend
-    if trainer.data_parallel_world_size > 1 and backend not in ("legacy_ddp", "no_c10d"):
-        return f"--ddp-backend {backend} on several GPUs (the graphs need legacy_ddp)"
+    if trainer.data_parallel_world_size > 1:
+        if not OPTIONS.get("several_gpus"):
+            return ("several GPUs with --ls-graph-step auto: the eager step, whose gradient all-reduce overlaps the "
+                    "backward; --ls-graph-step on replays the graphs on every GPU")
+        if backend not in ("legacy_ddp", "no_c10d"):
+            return f"--ddp-backend {backend} on several GPUs (the graphs need legacy_ddp)"
     if type(model) is not LSTransformerModel:
         return f"model {type(model).__name__} (the graphs hold ls_transformer)"
     if type(criterion) is not LSLabelSmoothedCrossEntropyCriterion:
