@@ -48,7 +48,7 @@ class GraphGrads:
         self.ls_adam = ls_adam
         head, _ = self.views()
         if head:
-            torch._foreach_zero_(head)
+            torch._foreach_zero_([v for _, v in head])
         self.fresh = True
 
     def make_zero(self) -> None:
@@ -65,8 +65,7 @@ class GraphGrads:
         if self.ls_adam is None:
             return False
         head, _ = self.views()
-        params = list(self.model.decoder.output_projection.parameters())
-        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(params, head))
+        return all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in head)
 
     # ------------------------------------------------------------------ capture and replay
     def detach_body(self) -> None:
@@ -117,9 +116,9 @@ class GraphGrads:
     def _buffers(self):
         return [buf for ws in self.ls_adam._optimizer.workspaces for buf in ws.buffers]
 
-    def views(self) -> Tuple[List[torch.Tensor], List[Tuple[torch.Tensor, torch.Tensor]]]:
-        """(the gradient views of the head's parameters, [(parameter, gradient view)] of all others),
-        for ls_adam's current buffers."""
+    def views(self) -> Tuple[List[Tuple[torch.Tensor, torch.Tensor]], List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """([(parameter, gradient view)] of the head's parameters, the same of all others), for ls_adam's
+        current buffers."""
         bufs = self._buffers()
         key = (id(self.ls_adam), tuple(buf.grad.data_ptr() for buf in bufs))
         if self._views is None or self._views[0] != key:
@@ -129,9 +128,6 @@ class GraphGrads:
                 for i, p in enumerate(buf.params):
                     if p.numel() == 0:
                         continue
-                    if id(p) in head_ids:
-                        head.append(buf.grad_view(i))
-                    else:
-                        body.append((p, buf.grad_view(i)))
+                    (head if id(p) in head_ids else body).append((p, buf.grad_view(i)))
             self._views = (key, head, body)
         return self._views[1], self._views[2]
