@@ -185,6 +185,9 @@ class GraphStep:
         self._said = set()
         self.counts = {"graph": 0, "eager": 0}
         self.capture_seconds = 0.0
+        # host seconds of the captures by part: tracing the forward / the backward (Python and autograd running
+        # under capture), instantiating those two graphs, and the gradient writes' two small graphs
+        self.capture_parts = {"forward": 0.0, "backward": 0.0, "instantiate": 0.0, "writes": 0.0}
         self._host = []  # pinned staging buffers, used in turn
         self._host_events = []
         self._turn = 0
@@ -370,12 +373,17 @@ class GraphStep:
         graph = None
         try:
             with torch.cuda.stream(self.stream):
+                parts = self.capture_parts
                 graph = fwd
                 fwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 feats = body(self.model, views["src"], views["lengths"], views["prev"])
                 with torch.no_grad():  # a copy outside autograd: the buffer must not hold the graph
                     feats_out.copy_(feats)
+                t1 = time.perf_counter()
                 fwd.capture_end()
+                t2 = time.perf_counter()
+                parts["forward"] += t1 - t0
+                parts["instantiate"] += t2 - t1
                 graph = None
                 if self.pool is None:
                     self.pool = fwd.pool()
@@ -383,10 +391,15 @@ class GraphStep:
                 graph = bwd
                 bwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 torch.autograd.backward(feats, grad_in)
+                t3 = time.perf_counter()
                 bwd.capture_end()
+                t4 = time.perf_counter()
+                parts["backward"] += t3 - t2
+                parts["instantiate"] += t4 - t3
                 graph = None
                 del feats
                 copy, add = self.grads.capture_writes(self.pool)
+                parts["writes"] += time.perf_counter() - t4
         except Exception as e:  # noqa: BLE001 - any failure: the eager step for the rest of the run
             self.grads.reattach_body()
             if graph is not None:
@@ -417,9 +430,10 @@ class GraphStep:
         if seen == self.__dict__.get("_summarised"):
             return
         self._summarised = seen
-        logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%.1f s capturing), %d batches "
-                    "fitting no bucket", self.counts["graph"], len(self.graphs), self.capture_seconds,
-                    self.counts["eager"])
+        parts = ", ".join(f"{v:.1f} s {k}" for k, v in self.capture_parts.items())
+        logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%.1f s capturing: %s), %d "
+                    "batches fitting no bucket", self.counts["graph"], len(self.graphs), self.capture_seconds,
+                    parts, self.counts["eager"])
 
     def close(self) -> None:
         """Log the summary and release the graphs and their pool while CUDA is still up (at exit)."""
