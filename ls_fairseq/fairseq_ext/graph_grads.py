@@ -28,7 +28,7 @@ class GraphGrads:
         self.model = model
         self.world_size = world_size
         self.ls_adam = None
-        self._views = None  # (key, head views, body [(param, view)])
+        self._views = None  # ([(param, view)] of the head, the same of the body), for ls_adam
         self.fresh = False  # the buffers hold the last update's values, which the next copy overwrites
 
     # ------------------------------------------------------------------ per update
@@ -45,7 +45,8 @@ class GraphGrads:
         ls_adam.zero_grad(in_place=True, fill=False)
         if self.world_size > 1:
             ls_adam.reduce_after_backward_only("the CUDA-graph step replays the backward, where hooks do not run")
-        self.ls_adam = ls_adam
+        if ls_adam is not self.ls_adam:
+            self.ls_adam, self._views = ls_adam, None
         head, _ = self.views()
         if head:
             torch._foreach_zero_([v for _, v in head])
@@ -103,7 +104,6 @@ class GraphGrads:
             finally:
                 add.capture_end()
         finally:
-            del dst, src
             self.reattach_body()  # the pool's gradient tensors belong to the graphs from here on
         return copy, add
 
@@ -118,16 +118,14 @@ class GraphGrads:
 
     def views(self) -> Tuple[List[Tuple[torch.Tensor, torch.Tensor]], List[Tuple[torch.Tensor, torch.Tensor]]]:
         """([(parameter, gradient view)] of the head's parameters, the same of all others), for ls_adam's
-        current buffers."""
-        bufs = self._buffers()
-        key = (id(self.ls_adam), tuple(buf.grad.data_ptr() for buf in bufs))
-        if self._views is None or self._views[0] != key:
+        buffers (made once per ls_adam: a buffer hands out the same views for its lifetime)."""
+        if self._views is None:
             head_ids = {id(p) for p in self.model.decoder.output_projection.parameters()}
             head, body = [], []
-            for buf in bufs:
+            for buf in self._buffers():
                 for i, p in enumerate(buf.params):
                     if p.numel() == 0:
                         continue
                     (head if id(p) in head_ids else body).append((p, buf.grad_view(i)))
-            self._views = (key, head, body)
-        return self._views[1], self._views[2]
+            self._views = (head, body)
+        return self._views

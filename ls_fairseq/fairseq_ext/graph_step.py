@@ -123,11 +123,11 @@ def unsupported_reason(trainer) -> Optional[str]:
         return "not on a CUDA device"
     cfg = trainer.cfg
     model, criterion, task = trainer._model, trainer._criterion, trainer.task
-    backend = cfg.distributed_training.ddp_backend
     if trainer.data_parallel_world_size > 1:
         if not OPTIONS.get("several_gpus"):
             return ("several GPUs with --ls-graph-step auto: the eager step, whose gradient all-reduce overlaps the "
                     "backward; --ls-graph-step on replays the graphs on every GPU")
+        backend = cfg.distributed_training.ddp_backend
         if backend not in ("legacy_ddp", "no_c10d"):
             return f"--ddp-backend {backend} on several GPUs (the graphs need legacy_ddp)"
     if type(model) is not LSTransformerModel:
@@ -169,7 +169,6 @@ class GraphStep:
     def __init__(self, trainer, max_buckets: int = DEFAULT_BUCKETS, replay: bool = True):
         self.trainer = trainer
         self.replay = bool(replay)
-        self.world_size = trainer.data_parallel_world_size
         self.model = trainer._model
         self.criterion = trainer._criterion
         self.max_buckets = int(max_buckets)
@@ -192,7 +191,7 @@ class GraphStep:
         self._host_events = []
         self._turn = 0
         self._dev_in = self._feat_buf = self._grad_buf = None
-        self.grads = GraphGrads(self.model, self.world_size)
+        self.grads = GraphGrads(self.model, trainer.data_parallel_world_size)
         import atexit
 
         atexit.register(self.close)

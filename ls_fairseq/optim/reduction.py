@@ -125,8 +125,9 @@ class GradReduction:
     # ------------------------------------------------------------------ the choice
     def _overlap_applies(self) -> bool:
         """Overlap needs two or more ranks, a group that takes asynchronous collectives and
-        post-accumulate-grad hooks (torch >= 2.1); ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1`` turns it off."""
-        if env.sync_all_reduce() or self.ddp.world_size < 2:
+        post-accumulate-grad hooks (torch >= 2.1) that run in the backward (not so for a replayed CUDA
+        graph: :meth:`reduce_after_backward_only`); ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1`` turns it off."""
+        if self.after_backward_only is not None or env.sync_all_reduce() or self.ddp.world_size < 2:
             return False
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             return False
@@ -136,7 +137,7 @@ class GradReduction:
         """The strategy of every update after the first (see the module docstring), set up: hooks, peer
         mappings (collective), sharded optimizer state, layer-by-layer waits."""
         after_backward = self.strategy
-        if self.after_backward_only is not None or not self._overlap_applies():
+        if not self._overlap_applies():
             return after_backward
         ddp, world, group = self.ddp, self.ddp.world_size, self.ddp.process_group
         buckets = bucket_order(self.workspaces, self.bucket_bytes)
