@@ -36,15 +36,29 @@ def test_scale_special_values(fmt):
     assert float(sc(torch.tensor(449.0), fp8.E4M3)) == 0.5
 
 
+def _state(rows=3, grad_format=fp8.E5M2):
+    return fp8.Fp8State(rows // 3, grad_format)
+
+
+def _fresh(rows=3):
+    return torch.zeros(rows, fp8.WIDTH)
+
+
 @pytest.mark.parametrize("fmt,rel", [(fp8.E4M3, 2.0 ** -4), (fp8.E5M2, 2.0 ** -3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_reference_round_trip(fmt, rel, dtype):
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(37, 53, generator=g) * 3).to(dtype)
-    q, s_inv = fp8.fp8_quantize_reference(x, fmt)
-    assert q.dtype == fp8.FP8_DTYPES[fmt] and s_inv.dtype == torch.float32
+    x = (torch.randn(37, 48, generator=g) * 3).to(dtype)
+    st = _fresh()
+    q, q_t = fp8.fp8_quantize_reference(x, st, 2, fmt, current=True)
+    s_inv = st[2, fp8.SCALE_INV]
+    assert q.dtype == fp8.FP8_DTYPES[fmt] and q.shape == (37, 48)
+    # the transposed codes: the same bytes, tokens padded with zeros to a multiple of 16
+    assert q_t.shape == (48, 48) and torch.equal(q_t[:, :37].t().float(), q.float())
+    assert torch.all(q_t[:, 37:].float() == 0)
     back = q.float() * s_inv
     xf = x.float()
+    assert float(st[2, fp8.AMAX]) == float(xf.abs().max())  # recorded for the next roll
     # the largest element lands in the format's top binade, and nothing exceeds the format's maximum
     assert q.float().abs().max() <= fp8.FP8_MAX[fmt]
     assert q.float().abs().max() > fp8.FP8_MAX[fmt] / 2
@@ -55,9 +69,66 @@ def test_quantize_reference_round_trip(fmt, rel, dtype):
 
 
 def test_quantize_reference_propagates_inf_and_nan():
-    x = torch.tensor([1.0, float("inf"), 2.0])
-    q, s_inv = fp8.fp8_quantize_reference(x, fp8.E5M2)
-    assert math.isnan(float(s_inv)) and torch.isnan(q.float()).all()
+    x = torch.tensor([[1.0, float("inf"), 2.0] + [0.0] * 13])
+    st = _fresh()
+    q, _ = fp8.fp8_quantize_reference(x, st, 2, fp8.E5M2, current=True)
+    assert math.isnan(float(st[2, fp8.SCALE_INV])) and torch.isnan(q.float()).all()
+    # delayed: the codes saturate, but 1/s becomes NaN, so the GEMM's product is NaN
+    st = _fresh()
+    st[2, fp8.SCALE], st[2, fp8.SCALE_INV] = 1.0, 1.0
+    q, _ = fp8.fp8_quantize_reference(x, st, 2, fp8.E5M2, current=False)
+    assert float(q.float()[0, 1]) == fp8.FP8_MAX[fp8.E5M2] and math.isnan(float(st[2, fp8.SCALE_INV]))
+
+
+def test_delayed_scaling_history_and_roll():
+    st = _fresh(6)
+    fmt_of = [fp8.E4M3, fp8.E4M3, fp8.E5M2] * 2
+    for r, amax in enumerate([1.0, 3.0, 0.001, 448.0, 0.0, 2.0 ** -20]):
+        st[r, fp8.AMAX] = amax
+    fp8.fp8_roll_reference(st, fp8.E5M2)
+    for r in range(6):
+        m = float(st[r, fp8.HIST])
+        assert float(st[r, fp8.AMAX]) == 0.0
+        assert float(st[r, fp8.SCALE]) == float(fp8.fp8_scale_reference(torch.tensor(m), fmt_of[r]))
+        assert float(st[r, fp8.SCALE_INV]) * float(st[r, fp8.SCALE]) == 1.0
+    # the scale follows the largest of the last HISTORY maxima: a spike keeps it low until it leaves the window
+    st = _fresh()
+    seen = [5.0] + [0.5] * (fp8.HISTORY + 2)
+    scales = []
+    for a in seen:
+        st[0, fp8.AMAX] = a
+        fp8.fp8_roll_reference(st, fp8.E4M3)
+        scales.append(float(st[0, fp8.SCALE]))
+    big, small = (float(fp8.fp8_scale_reference(torch.tensor(v), fp8.E4M3)) for v in (5.0, 0.5))
+    assert scales[:fp8.HISTORY] == [big] * fp8.HISTORY and scales[fp8.HISTORY:] == [small] * 3
+    # a non-finite maximum (an fp16 overflow) stays out of the history
+    st[0, fp8.AMAX] = float("inf")
+    fp8.fp8_roll_reference(st, fp8.E4M3)
+    assert float(st[0, fp8.SCALE]) == small and float(st[0, fp8.HIST]) == 0.5
+
+
+def test_delayed_quantize_uses_the_rolled_scale_and_records_amax():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 32, generator=g)
+    st = _fresh()
+    fp8.fp8_quantize_reference(x, st, 0, fp8.E4M3, current=True)
+    fp8.fp8_roll_reference(st, fp8.E5M2)
+    s = float(st[0, fp8.SCALE])
+    y = x * 4  # grew: the delayed scale saturates what no longer fits
+    q, _ = fp8.fp8_quantize_reference(y, st, 0, fp8.E4M3, current=False)
+    assert float(st[0, fp8.SCALE]) == s and float(st[0, fp8.AMAX]) == float(y.abs().max())
+    expect = (y * s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), expect.view(torch.uint8))
+    fp8.fp8_roll_reference(st, fp8.E5M2)  # and the next scale makes room
+    assert float(st[0, fp8.SCALE]) == s / 4
+
+
+def _use(grad_format, slots=1, current=True):
+    st = fp8.Fp8State(slots, grad_format)
+    st.begin_forward(torch.device("cpu"))
+    if not current:
+        st.begin_forward(torch.device("cpu"))
+    return st, st.use(0)
 
 
 @pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
@@ -66,36 +137,64 @@ def test_reference_linear_forward_and_gradients(grad_format):
     x = torch.randn(3, 7, 32, generator=g, requires_grad=True)
     w = (torch.randn(48, 32, generator=g) * 0.1).requires_grad_()
     b = torch.randn(48, generator=g).requires_grad_()
-    y = fp8.fp8_linear_reference(x, w, b, grad_format)
+    st, use = _use(grad_format)
+    assert use.current and use.mode == 3 + grad_format
+    y = fp8.fp8_linear_reference(x, w, b, use)
     dy = torch.randn(y.shape, generator=g)
     y.backward(dy)
     # the reference computes exactly from the same FP8 codes
-    xq, sx = fp8.fp8_quantize_reference(x.detach().reshape(-1, 32), fp8.E4M3)
-    wq, sw = fp8.fp8_quantize_reference(w.detach(), fp8.E4M3)
-    expect = ((xq.float() * sx) @ (wq.float() * sw).t() + b.detach()).reshape(3, 7, 48)
-    torch.testing.assert_close(y.detach(), expect, rtol=0, atol=0)
-    gq, sg = fp8.fp8_quantize_reference(dy.reshape(-1, 48), grad_format)
-    torch.testing.assert_close(x.grad, ((gq.float() * sg) @ (wq.float() * sw)).reshape(3, 7, 32), rtol=0, atol=0)
-    # weight and bias gradients are the exact products of the high-precision tensors
-    torch.testing.assert_close(w.grad, dy.reshape(-1, 48).t() @ x.detach().reshape(-1, 32), rtol=1e-6, atol=1e-6)
+    ref = _fresh()
+    xq, _ = fp8.fp8_quantize_reference(x.detach().reshape(-1, 32), ref, 0, fp8.E4M3, True)
+    wq, _ = fp8.fp8_quantize_reference(w.detach(), ref, 1, fp8.E4M3, True)
+    gq, _ = fp8.fp8_quantize_reference(dy.reshape(-1, 48), ref, 2, grad_format, True)
+    assert torch.equal(st.tensor, ref)  # the same maxima recorded, the same scales
+    xd, wd, gd = (q.float() * ref[r, fp8.SCALE_INV] for q, r in ((xq, 0), (wq, 1), (gq, 2)))
+    torch.testing.assert_close(y.detach(), (xd @ wd.t() + b.detach()).reshape(3, 7, 48), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, (gd @ wd).reshape(3, 7, 32), rtol=0, atol=0)
+    # the weight gradient from the same codes of dY and x
+    torch.testing.assert_close(w.grad, gd.t() @ xd, rtol=0, atol=0)
     torch.testing.assert_close(b.grad, dy.reshape(-1, 48).sum(0))
     # and the FP8 result is close to the exact linear layer (a few e4m3 ulps)
     exact = F.linear(x.detach(), w.detach(), b.detach())
     assert (y.detach() - exact).abs().max() < 0.1 * exact.abs().max()
+    exact_dw = dy.reshape(-1, 48).t() @ x.detach().reshape(-1, 32)
+    assert (w.grad - exact_dw).norm() < 0.1 * exact_dw.norm()
+
+
+def test_reference_linear_delayed_scales_from_the_history():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 32, generator=g)
+    w = (torch.randn(16, 32, generator=g) * 0.1).requires_grad_()
+    st, use = _use(fp8.E5M2)
+    fp8.fp8_linear_reference(x, w, None, use).sum().backward()
+    st.begin_forward(torch.device("cpu"))  # the roll: history from the first (current) pass
+    assert not st.current
+    use = st.use(0)
+    before = st.tensor.clone()
+    y = fp8.fp8_linear_reference(x * 2, w, None, use).detach()
+    w = w.detach()
+    sx, sw = before[0, fp8.SCALE_INV], before[1, fp8.SCALE_INV]
+    xq = (x * 2 * before[0, fp8.SCALE]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    wq = (w * before[1, fp8.SCALE]).to(torch.float8_e4m3fn)
+    torch.testing.assert_close(y, (xq.float() * sx) @ (wq.float() * sw).t(), rtol=0, atol=0)
+    assert float(st.tensor[0, fp8.AMAX]) == float((x * 2).abs().max())
 
 
 def test_linear_takes_fp8_only_where_sizes_allow():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 24, generator=g)
     w_odd = torch.randn(20, 24, generator=g)  # 20 is not a multiple of 16: plain linear, exactly
-    torch.testing.assert_close(ops.linear(x, w_odd, fp8=1), F.linear(x, w_odd), rtol=0, atol=0)
+    _, use = _use(fp8.E4M3)
+    torch.testing.assert_close(ops.linear(x, w_odd, fp8=use), F.linear(x, w_odd), rtol=0, atol=0)
     x = torch.randn(5, 32, generator=g)
     w = torch.randn(16, 32, generator=g)
-    torch.testing.assert_close(ops.linear(x, w, fp8=2), fp8.fp8_linear_reference(x, w, None, fp8.E5M2),
+    _, use = _use(fp8.E5M2)
+    _, use2 = _use(fp8.E5M2)
+    torch.testing.assert_close(ops.linear(x, w, fp8=use), fp8.fp8_linear_reference(x, w, None, use2),
                                rtol=0, atol=0)
-    assert not torch.equal(ops.linear(x, w, fp8=1), F.linear(x, w))
+    assert not torch.equal(ops.linear(x, w, fp8=use), F.linear(x, w))
     with pytest.raises(ValueError, match="multiple of 16"):
-        fp8.fp8_linear(x, w_odd)
+        fp8.fp8_linear(x, w_odd, None, use)
 
 
 def test_mode_of():
@@ -117,20 +216,46 @@ def _tiny(**kw):
 
 def test_model_flags_set_every_projection_and_only_train_uses_fp8():
     d, model = _tiny(fp8=True, fp8_grad_format="e4m3")
-    modes = {type(m).__name__: m.fp8 for m in model.modules() if hasattr(m, "fp8") and isinstance(m.fp8, int)}
-    assert set(modes.values()) == {1}
-    assert {"EncoderLayer", "DecoderLayer", "SelfAttention", "CrossAttention", "BatchedCrossKV"} <= set(modes)
+    refs = {m: m.fp8 for m in model.modules() if hasattr(m, "fp8")}
+    assert all(isinstance(r, fp8.Fp8Ref) for r in refs.values())
+    assert {"EncoderLayer", "DecoderLayer", "SelfAttention", "CrossAttention", "BatchedCrossKV"} <= {
+        type(m).__name__ for m in refs}
+    state = model.encoder.fp8_state
+    assert all(r.state is state for r in refs.values()) and state.grad_format == fp8.E4M3
+    assert state.linears == 4 + 6 + 1  # one encoder layer, one decoder layer, the batched cross K/V
+    # every linear has its own slot: the layers' slots (csrc/torch/layers.cpp order) never overlap
+    dec = model.decoder.layers[0]
+    slots = [model.encoder.layers[0].fp8.slot + k for k in range(4)] + [dec.fp8.slot + k for k in range(6)]
+    slots.append(model.decoder.cross_kv.fp8.slot if hasattr(model.decoder, "cross_kv") else
+                 next(m.fp8.slot for m in model.modules() if type(m).__name__ == "BatchedCrossKV"))
+    assert sorted(slots) == list(range(11))
+    assert dec.self_attn.fp8.slot == dec.fp8.slot and dec.encoder_attn.fp8.slot == dec.fp8.slot + 4
     _, plain = _tiny()
-    assert all(m.fp8 == 0 for m in plain.modules() if hasattr(m, "fp8") and isinstance(m.fp8, int))
+    assert all(m.fp8 is None for m in plain.modules() if hasattr(m, "fp8"))
+    assert plain.encoder.fp8_state is None
     plain.load_state_dict(model.state_dict())
     src, lengths, prev, _ = random_batch(d)
     model.eval()
     plain.eval()
     with torch.no_grad():  # evaluation runs the model's own precision: identical outputs
         torch.testing.assert_close(model(src, lengths, prev)[0], plain(src, lengths, prev)[0], rtol=0, atol=0)
+    assert state.tensor is None  # no training forward yet: no state made
     model.train()
     with pytest.raises(RuntimeError, match="--fp8 needs an NVIDIA GPU with FP8 tensor cores"):
         model(src, lengths, prev)
+
+
+def test_fp8_state_first_forward_is_current_then_delayed():
+    st = fp8.Fp8State(2, fp8.E5M2)
+    with pytest.raises(RuntimeError, match="before its first training forward"):
+        st.use(0)
+    st.begin_forward(torch.device("cpu"))
+    assert st.current and st.tensor.shape == (6, fp8.WIDTH) and st.use(1) == (4, st.tensor, 1)
+    st.tensor[5, fp8.AMAX] = 3.0
+    st.begin_forward(torch.device("cpu"))  # rolls
+    assert not st.current and st.use(1).mode == 2
+    assert float(st.tensor[5, fp8.HIST]) == 3.0 and float(st.tensor[5, fp8.AMAX]) == 0.0
+    assert float(st.tensor[5, fp8.SCALE]) == float(fp8.fp8_scale_reference(torch.tensor(3.0), fp8.E5M2))
 
 
 def test_fp8_flag_in_the_model_parser_defaults():

@@ -1,22 +1,30 @@
-// Per-tensor FP8 quantisation with current scaling, for the FP8 linear layers (csrc/torch/fp8.cpp).
+// Per-tensor FP8 quantisation for the FP8 linear layers (csrc/torch/fp8.cpp), with delayed scaling.
 //
-// Numerics. A tensor x is stored as q = fp8(x * s) with one fp32 scale s per tensor, chosen from the tensor's
-// own absolute maximum amax (current scaling: no history, nothing to go stale after a loss-scale change):
+// Numerics. A tensor x is stored as q = fp8(x * s) with one fp32 scale s per tensor. s is always a power of two,
+// the largest one with m * s <= the format's largest finite value for a reference maximum m:
 //
-//     amax = f * 2^E with f in [0.5, 1)          (frexp)
-//     k    = F - E  if f <= 0.875,  F - E - 1 otherwise,   F = 9 (e4m3, max 448 = 0.875 * 2^9)
-//                                                            F = 16 (e5m2, max 57344 = 0.875 * 2^16)
-//     s    = 2^k, k clamped to [-126, 126];  s = 1 when amax = 0;  s = NaN when amax is inf or NaN
+//     m = f * 2^E with f in [0.5, 1)          (frexp)
+//     k = F - E  if f <= 0.875,  F - E - 1 otherwise,   F = 9 (e4m3, max 448 = 0.875 * 2^9)
+//                                                        F = 16 (e5m2, max 57344 = 0.875 * 2^16)
+//     s = 2^k, k clamped to [-126, 126];  s = 1 when m = 0;  s = NaN when m is inf or NaN
 //
-// i.e. the largest power of two with amax * s <= the format's largest finite value. A power of two makes
-// x * s exact in fp32 and the GEMM's dequantisation factor 1/s exact, so the only rounding is the one to FP8
-// (round to nearest even; no value can exceed the format's maximum, so saturation never acts). A non-finite
-// amax gives NaN scales and NaN outputs: an fp16 overflow in a gradient still reaches the optimizer's check.
-// ls_fairseq/ops/fp8.py holds the same rule in plain PyTorch (the reference the tests compare with).
+// so x * s is exact in fp32, the GEMM's dequantisation factor 1/s is exact, and the only rounding is the one to
+// FP8 (round to nearest even, values beyond the format's range saturate to its largest finite value).
 //
-// Two launches per tensor: the amax (|x| compared as unsigned bit patterns, so NaN > inf > every finite
-// value; block maxima go to one device word with atomicMax) and the cast, which reads amax, derives s and
-// writes q and 1/s. The amax word is zeroed by the launcher.
+// Delayed scaling: m is the largest absolute maximum this tensor had over its last kFp8History uses (the state row's
+// history), so the codes come out of ONE pass over x, which also records x's own absolute maximum in the row for the
+// next roll. fp8_roll, launched once per training forward for all rows of a model, pushes each row's recorded maximum
+// into its history (a non-finite one is left out: an fp16 overflow must not poison the scales that follow) and
+// derives the row's next s and 1/s. Current scaling (`current`, the first forward and backward of a fresh state,
+// whose history is empty) takes m from x itself: an amax pass, then the cast.
+//
+// Inf or NaN in x: under current scaling the scale is NaN and so are the codes; under delayed scaling the cast writes
+// NaN to the row's 1/s, so the GEMM's output is NaN. Either way an fp16 overflow reaches the optimizer's check.
+// ls_fairseq/ops/fp8.py holds the same rules in plain PyTorch (the reference the tests compare with).
+//
+// The cast works on 64 x 64 tiles: 256 threads each convert 16 consecutive elements of a row and store them as one
+// 16-byte word of the row-major codes; the transposed codes (what the weight-gradient GEMM reads) go through shared
+// memory and leave as 16-byte words of the transposed rows.
 #include <cuda_fp8.h>
 
 #include "kernels/common.cuh"
@@ -25,47 +33,50 @@ namespace ls {
 
 namespace {
 
-constexpr int kFp8Threads = 256;
-constexpr int kFp8MaxBlocks = 1184;  // 8 per SM on a 148-SM chip: enough to fill the grid-stride loops
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 1184;  // 8 per SM on a 148-SM chip: enough to fill the grid-stride loops
+constexpr int kTile = 64;
+constexpr int kTileStride = kTile + 16;  // bytes per row of the shared transposed tile (16-byte aligned rows)
 
-__device__ __forceinline__ float fp8_scale_from_bits(unsigned amax_bits, Fp8Format fmt) {
-  const float amax = __uint_as_float(amax_bits);
+__device__ __forceinline__ float scale_from_bits(unsigned amax_bits, Fp8Format fmt) {
   if (amax_bits >= 0x7f800000u) return __int_as_float(0x7fc00000);  // inf or NaN: NaN scale
   if (amax_bits == 0u) return 1.f;
   int E;
-  const float f = frexpf(amax, &E);
+  const float f = frexpf(__uint_as_float(amax_bits), &E);
   const int F = fmt == Fp8Format::E4M3 ? 9 : 16;
   int k = f <= 0.875f ? F - E : F - E - 1;
   k = k < -126 ? -126 : (k > 126 ? 126 : k);
   return ldexpf(1.f, k);
 }
 
-template <typename T>
-__global__ void fp8_amax_kernel(const T* __restrict__ x, int64_t n, bool vec, unsigned* __restrict__ amax_bits) {
-  unsigned m = 0u;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  int64_t done = 0;
-  if (vec) {
-    const int64_t groups = n / 8;
-    for (int64_t g = tid; g < groups; g += stride) {
-      float v[8];
-      load8(x + g * 8, v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) m = max(m, __float_as_uint(fabsf(v[k])));
-    }
-    done = groups * 8;
-  }
-  for (int64_t i = done + tid; i < n; i += stride) m = max(m, __float_as_uint(fabsf(to_f(x[i]))));
+// |v| as an unsigned bit pattern: for non-negative floats the integer order is the float order, NaN above inf
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+__device__ __forceinline__ unsigned block_max(unsigned m) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  __shared__ unsigned warp_max[kFp8Threads / 32];
+  __shared__ unsigned warp_max[kThreads / 32];
+  __syncthreads();  // warp_max may still be read from an earlier call
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = max(m, warp_max[w]);
-    atomicMax(amax_bits, m);
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
+  return m;  // valid in thread 0
+}
+
+template <typename T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* __restrict__ amax_bits) {
+  unsigned m = 0u;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t groups = n / 8;  // n is a multiple of 16
+  for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+    float v[8];
+    load8(x + g * 8, v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) m = max(m, abs_bits(v[k]));
   }
+  m = block_max(m);
+  if (threadIdx.x == 0) atomicMax(amax_bits, m);
 }
 
 __device__ __forceinline__ uint16_t to_fp8x2(float a, float b, Fp8Format fmt) {
@@ -73,55 +84,100 @@ __device__ __forceinline__ uint16_t to_fp8x2(float a, float b, Fp8Format fmt) {
   return (uint16_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind);
 }
 
-__device__ __forceinline__ uint8_t to_fp8(float a, Fp8Format fmt) {
-  const __nv_fp8_interpretation_t kind = fmt == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
-  return (uint8_t)__nv_cvt_float_to_fp8(a, __NV_SATFINITE, kind);
-}
-
 template <typename T>
-__global__ void fp8_cast_kernel(const T* __restrict__ x, int64_t n, bool vec, const unsigned* __restrict__ amax_bits,
-                                Fp8Format fmt, uint8_t* __restrict__ out, float* __restrict__ scale_inv) {
-  const float s = fp8_scale_from_bits(*amax_bits, fmt);
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (tid == 0) *scale_inv = 1.f / s;  // exact: s is a power of two (or NaN)
-  int64_t done = 0;
-  if (vec) {  // 8 inputs in, 8 bytes out
-    const int64_t groups = n / 8;
-    for (int64_t g = tid; g < groups; g += stride) {
-      float v[8];
-      load8(x + g * 8, v);
-      uint2 packed;
-      uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) h[k] = to_fp8x2(v[2 * k] * s, v[2 * k + 1] * s, fmt);
-      *reinterpret_cast<uint2*>(out + g * 8) = packed;
-    }
-    done = groups * 8;
+__global__ void cast_kernel(const T* __restrict__ x, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt,
+                            bool current, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp) {
+  __shared__ __align__(16) uint8_t tile_t[kTile * kTileStride];
+  const float s = current ? scale_from_bits(__float_as_uint(row[kFp8Amax]), fmt) : row[kFp8Scale];
+  if (current && blockIdx.x == 0 && threadIdx.x == 0) {
+    row[kFp8Scale] = s;
+    row[kFp8ScaleInv] = 1.f / s;  // exact: s is a power of two (or NaN)
   }
-  for (int64_t i = done + tid; i < n; i += stride) out[i] = to_fp8(to_f(x[i]) * s, fmt);
+  const int64_t tiles_m = (Mp + kTile - 1) / kTile, tiles_k = (K + kTile - 1) / kTile;
+  const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;  // this thread's row and first column in a tile
+  unsigned m = 0u;
+  for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x) {
+    const int64_t m0 = (t / tiles_k) * kTile, k0 = (t % tiles_k) * kTile;
+    const int64_t i = m0 + r, j = k0 + c;
+    float v[16];
+    if (i < M && j < K) {  // K is a multiple of 16: a row's 16 columns are all in or all out
+      load8(x + i * K + j, *reinterpret_cast<float(*)[8]>(v));
+      load8(x + i * K + j + 8, *reinterpret_cast<float(*)[8]>(v + 8));
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = 0.f;
+    }
+    uint4 packed;
+    uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
+      h[k] = to_fp8x2(v[2 * k] * s, v[2 * k + 1] * s, fmt);
+    }
+    if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
+    if (out_t != nullptr) {
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(&packed);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) tile_t[(c + k) * kTileStride + r] = b[k];
+      __syncthreads();
+      const int64_t jt = k0 + r, it = m0 + c;  // transposed: row jt of out_t, its columns it .. it + 15
+      if (jt < K && it < Mp)
+        *reinterpret_cast<uint4*>(out_t + jt * Mp + it) = *reinterpret_cast<const uint4*>(tile_t + r * kTileStride + c);
+      __syncthreads();
+    }
+  }
+  if (!current) {
+    m = block_max(m);
+    if (threadIdx.x == 0) {
+      atomicMax(reinterpret_cast<unsigned*>(row + kFp8Amax), m);
+      if (m >= 0x7f800000u) row[kFp8ScaleInv] = __int_as_float(0x7fc00000);  // inf/NaN in x: a NaN product
+    }
+  }
 }
 
-int fp8_blocks(int64_t n) {
-  const int64_t b = (n / 8 + kFp8Threads - 1) / kFp8Threads;
-  return (int)(b < 1 ? 1 : (b > kFp8MaxBlocks ? kFp8MaxBlocks : b));
+__global__ void roll_kernel(float* __restrict__ state, int64_t rows, Fp8Format grad_fmt) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= rows) return;
+  float* row = state + i * kFp8Width;
+  const unsigned a = __float_as_uint(row[kFp8Amax]);
+  if (a < 0x7f800000u) {  // finite: it joins the history
+    for (int k = kFp8History - 1; k > 0; --k) row[kFp8Hist + k] = row[kFp8Hist + k - 1];
+    row[kFp8Hist] = __uint_as_float(a);
+  }
+  unsigned m = 0u;
+  for (int k = 0; k < kFp8History; ++k) m = max(m, __float_as_uint(row[kFp8Hist + k]));
+  const float s = scale_from_bits(m, i % 3 == 2 ? grad_fmt : Fp8Format::E4M3);
+  row[kFp8Amax] = 0.f;
+  row[kFp8Scale] = s;
+  row[kFp8ScaleInv] = 1.f / s;
+}
+
+int blocks_for(int64_t work, int64_t per_block) {
+  const int64_t b = (work + per_block - 1) / per_block;
+  return (int)(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
 }
 
 }  // namespace
 
 // ---------------------------------------------------------------- launchers
 
-void fp8_quantize(DType dt, const void* x, int64_t n, Fp8Format fmt, unsigned* amax_bits, void* out,
-                  float* scale_inv, cudaStream_t stream) {
-  const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0;
-  const int blocks = fp8_blocks(n);
-  if (cudaMemsetAsync(amax_bits, 0, sizeof(unsigned), stream) != cudaSuccess) check_launch("fp8_amax (memset)", stream);
-  LS_DISPATCH(dt, T, fp8_amax_kernel<T><<<blocks, kFp8Threads, 0, stream>>>(static_cast<const T*>(x), n, vec,
-                                                                              amax_bits));
-  check_launch("fp8_amax", stream);
-  LS_DISPATCH(dt, T, fp8_cast_kernel<T><<<blocks, kFp8Threads, 0, stream>>>(static_cast<const T*>(x), n, vec,
-                                                                              amax_bits, fmt,
-                                                                              static_cast<uint8_t*>(out), scale_inv));
+void fp8_roll(float* state, int64_t rows, Fp8Format grad_fmt, cudaStream_t stream) {
+  if (rows <= 0) return;
+  roll_kernel<<<(unsigned)((rows + 127) / 128), 128, 0, stream>>>(state, rows, grad_fmt);
+  check_launch("fp8_roll", stream);
+}
+
+void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8Format fmt, bool current, void* out,
+                  void* out_t, int64_t Mp, cudaStream_t stream) {
+  if (current && M * K > 0) {
+    LS_DISPATCH(dt, T, amax_kernel<T><<<blocks_for(M * K / 8, kThreads), kThreads, 0, stream>>>(
+                           static_cast<const T*>(x), M * K, reinterpret_cast<unsigned*>(row + kFp8Amax)));
+    check_launch("fp8_amax", stream);
+  }
+  const int64_t tiles = ((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile);
+  LS_DISPATCH(dt, T, cast_kernel<T><<<blocks_for(tiles, 1), kThreads, 0, stream>>>(
+                         static_cast<const T*>(x), M, K, row, fmt, current, static_cast<uint8_t*>(out),
+                         static_cast<uint8_t*>(out_t), Mp));
   check_launch("fp8_cast", stream);
 }
 

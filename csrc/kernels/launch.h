@@ -135,11 +135,21 @@ void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int cou
 
 // ================================================================ fp8.cu
 enum class Fp8Format : int { E4M3 = 0, E5M2 = 1 };
-// out[i] = fp8(x[i] * s) for the n contiguous elements of x (dtype dt), with s the largest power of two for
-// which amax(|x|) * s fits the format (see fp8.cu); *scale_inv = 1 / s (the GEMM's dequantisation factor).
-// amax_bits: one device word of scratch (zeroed here). Inf/NaN in x give NaN scales and outputs.
-void fp8_quantize(DType dt, const void* x, int64_t n, Fp8Format fmt, unsigned* amax_bits, void* out,
-                  float* scale_inv, cudaStream_t stream);
+// Per-tensor FP8 scaling state (fp32, one row of kFp8Width per quantised tensor; see fp8.cu): 1 / s (what the
+// GEMM reads: first, so that it is 16-byte aligned as cuBLASLt wants its scales), the scale s in use, the absolute
+// maximum seen since the last roll (as its bit pattern), and the history of the last kFp8History absolute maxima
+// (newest first).
+constexpr int kFp8Width = 20;
+constexpr int kFp8ScaleInv = 0, kFp8Scale = 1, kFp8Amax = 2, kFp8Hist = 4;
+constexpr int kFp8History = kFp8Width - kFp8Hist;
+// Rows 3j, 3j + 1, 3j + 2 of a state belong to linear j's input, weight and output gradient: the roll derives
+// each row's next scale from its history, in e4m3 for inputs and weights and in grad_fmt for gradients.
+void fp8_roll(float* state, int64_t rows, Fp8Format grad_fmt, cudaStream_t stream);
+// Codes of x [M, K] (dtype dt, contiguous, 16-byte aligned, K a multiple of 16) under the scale of `row`:
+// out [M, K] row-major and/or out_t [K, Mp] (x transposed, rows M..Mp-1 zero; Mp a multiple of 16 >= M), each
+// optional (nullptr). current: the scale comes from x's own absolute maximum (an extra pass), else from the row.
+void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8Format fmt, bool current, void* out,
+                  void* out_t, int64_t Mp, cudaStream_t stream);
 
 }  // namespace ls
 

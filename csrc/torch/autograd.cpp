@@ -186,49 +186,59 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
 // the stored pair keeps a alone already (relu' comes from a > 0): the layers use this node for gelu only.
 struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& weight,
-                               const std::string& activation, double p, int64_t fp8) {
+                               const std::string& activation, double p, int64_t fp8, const OptTensor& fp8_state,
+                               int64_t fp8_slot) {
     Tensor xc = contig(x);
     auto r = bias_act_dropout_fwd(xc, bias, activation, p);  // [a, mask]
     Tensor a2 = r[0].reshape({-1, x.size(-1)});
-    const bool use_fp8 = fp8 > 0 && fp8_linear_shapes_ok(weight);
-    Tensor y2, wq, sw;
+    const bool use_fp8 = fp8 > 0 && fp8_linear_shapes_ok(weight) && a2.numel() > 0;
+    Tensor y2, wq_t, sx, sw;
     if (use_fp8) {
-      auto f = fp8_linear_forward(a2, weight, std::nullopt);
-      y2 = f[0], wq = f[1], sw = f[2];
+      auto f = fp8_linear_forward_keep_w(a2, weight, fp8, fp8_state, fp8_slot);
+      y2 = f[0], wq_t = f[1], sx = f[2], sw = f[3];
     } else {
       y2 = at::mm(a2, weight.t());
     }
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({xc, or_undefined(bias), r[1], weight, wq, sw});
+    ctx->save_for_backward({xc, or_undefined(bias), r[1], weight, wq_t, sx, sw, or_undefined(fp8_state)});
     ctx->saved_data["act"] = activation;
-    ctx->saved_data["gf"] = use_fp8 ? fp8 - 1 : int64_t(-1);
+    ctx->saved_data["fp8"] = use_fp8 ? fp8 : int64_t(0);
+    ctx->saved_data["slot"] = fp8_slot;
     keep_dropout_info(ctx, p, bias, r[1]);
     return {at::_unsafe_view(y2, sizes), r[1]};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& g = grads[0];
-    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     auto s = ctx->get_saved_variables();
     const Tensor &xc = s[0], &w = s[3];
     const OptTensor bias = opt(s[1]);
     const std::string act = ctx->saved_data["act"].toStringRef();
     const double p = ctx->saved_data["p"].toDouble();
     const OptTensor mask = p > 0 ? OptTensor(s[2]) : std::nullopt;
-    const int64_t gf = ctx->saved_data["gf"].toInt();
+    const int64_t fp8 = ctx->saved_data["fp8"].toInt();
     const bool need_db = bias_grad_needed(ctx);
     const bool need_dw = ctx->needs_input_grad(present(bias) ? 2 : 1);  // counts the tensors present
 
     Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
+    Tensor a2 = a.reshape({-1, xc.size(-1)});
     Tensor g2 = contig(g.reshape({-1, w.size(0)}));
-    Tensor dw = need_dw ? at::mm(g2.t(), a.reshape({-1, xc.size(-1)})) : Tensor();
-    Tensor da2 = gf >= 0 ? fp8_linear_input_grad(g2, s[4], s[5], gf) : at::mm(g2, w);
+    Tensor dw, da2;
+    if (fp8 > 0) {
+      auto d = fp8_linear_backward_from_x(g2, a2, s[4], s[5], s[6], fp8, opt(s[7]), ctx->saved_data["slot"].toInt(),
+                                          need_dw);
+      da2 = d[0], dw = d[1];
+    } else {
+      dw = need_dw ? at::mm(g2.t(), a2) : Tensor();
+      da2 = at::mm(g2, w);
+    }
     const bool relu = act == "relu";
     auto r = bias_act_dropout_bwd(at::_unsafe_view(da2, xc.sizes()), relu ? std::nullopt : OptTensor(xc), bias,
                                   relu ? OptTensor(a) : std::nullopt, mask, p, act, need_db);
-    return {r[0], bias_grad(ctx, r[1], need_db), dw, Tensor(), Tensor(), Tensor()};
+    return {r[0], bias_grad(ctx, r[1], need_db), dw, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -319,7 +329,8 @@ variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, 
 }
 
 std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,
-                                       const std::string& activation, double p, int64_t fp8) {
+                                       const std::string& activation, double p, int64_t fp8,
+                                       const OptTensor& fp8_state, int64_t fp8_slot) {
   const char* op = "bias_act_linear";
   LS_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
            " does not match weight ", weight.sizes());
@@ -327,7 +338,7 @@ std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, c
            x.scalar_type(), " on ", x.device().str(), ") and weight (", weight.scalar_type(), " on ",
            weight.device().str(), ") differ");
   LS_CHECK(activation == "relu" || activation == "gelu", op, ": unsupported activation '", activation, "'");
-  return BiasActLinearNode::apply(x, bias, weight, activation, p, fp8);
+  return BiasActLinearNode::apply(x, bias, weight, activation, p, fp8, fp8_state, fp8_slot);
 }
 
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {

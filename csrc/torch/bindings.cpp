@@ -91,24 +91,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
   m.def("ag_linear", guarded(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = none);
-  m.def("fp8_quantize", guarded(&fp8_quantize), "per-tensor FP8 codes (0 = e4m3, 1 = e5m2) and 1/scale (fp8.cpp)",
-        py::arg("x"), py::arg("format"));
+  m.def("fp8_quantize", guarded(&fp8_quantize),
+        "FP8 codes of a 2-d tensor under one row of an FP8 state: [row-major codes, transposed codes] (fp8.cpp)",
+        py::arg("x"), py::arg("state"), py::arg("row"), py::arg("format"), py::arg("current"), py::arg("rowwise") = true,
+        py::arg("transposed") = false);
+  m.def("fp8_roll", guarded(&fp8_roll), "each FP8 state row's amax into its history, and its next scale (fp8.cu)",
+        py::arg("state"), py::arg("grad_format"));
   m.def("ag_bias_act_linear", guarded(&ag_bias_act_linear),
         "differentiable dropout(act(x + bias)) W^T recomputing the activation in the backward: [y, mask] "
         "(autograd.cpp)", py::arg("x"), py::arg("bias") = none, py::arg("weight"), py::arg("activation"),
-        py::arg("p"), py::arg("fp8") = 0);
+        py::arg("p"), py::arg("fp8") = 0, py::arg("fp8_state") = none, py::arg("fp8_slot") = 0);
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
-        py::arg("weight"), py::arg("bias") = none, py::arg("grad_format"));
+        py::arg("weight"), py::arg("bias") = none, py::arg("mode"), py::arg("state"), py::arg("slot"));
   m.def("encoder_layer_fwd", guarded(&encoder_layer_fwd),
         "an encoder layer's forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"),
         py::arg("num_heads"), py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
         py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0,
+        py::arg("fp8_state") = none, py::arg("fp8_slot") = 0,
         py::arg("memory") = 0);
   m.def("decoder_layer_fwd", guarded(&decoder_layer_fwd),
         "a decoder layer's full-sequence forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
         py::arg("self_attn_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
         py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
         py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0,
+        py::arg("fp8_state") = none, py::arg("fp8_slot") = 0,
         py::arg("memory") = 0);
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

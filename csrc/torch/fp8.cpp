@@ -1,12 +1,23 @@
-// FP8 linear layers for Hopper (and Ada): y = x W^T (+ b) with x and W quantised to e4m3 per tensor (current
-// scaling, power-of-two scales: csrc/kernels/fp8.cu) and the product taken by torch's FP8 GEMM
-// (at::_scaled_mm over cuBLASLt), output in the input's dtype. Backward: the input gradient is a second FP8
-// GEMM, dY quantised to the gradient format (e4m3 or e5m2) against the saved e4m3 W; the weight gradient
-// dY^T X stays a GEMM in the input's dtype from the saved high-precision X (no transposed FP8 copies of the
-// activations and gradients are made), as does the bias gradient.
+// FP8 linear layers for Hopper (and Ada): y = x W^T (+ b) with every GEMM of the layer on the FP8 tensor cores,
+// through torch's FP8 GEMM (at::_scaled_mm over cuBLASLt), output in the input's dtype.
 //
-// The GEMM wants K and N multiples of 16 (FP8 tensor-core tiles); a layer whose sizes are not takes the plain
-// linear node instead (ag_linear_mode), so any model size trains.
+// Forward:   y  = [x]_e4m3 [W]_e4m3^T                       (fast accumulation)
+// Backward:  dx = [dY]_g [W]_e4m3                          (g: the gradient format, e4m3 or e5m2)
+//            dW = [dY]_g^T [x]_e4m3                         (the same codes of dY and x, transposed)
+//
+// Each quantisation is one pass (csrc/kernels/fp8.cu, delayed scaling from a per-tensor amax history) that writes
+// the row-major codes and, where a GEMM needs them, the transposed codes: cuBLASLt's FP8 GEMM takes its first
+// operand row-major and its second column-major, so the input-gradient GEMM reads W's codes transposed and the
+// weight-gradient GEMM reads dY's and x's codes transposed. The backward keeps x's transposed e4m3 codes, not x.
+// The weight-gradient GEMM adds over the tokens; the transposed codes are padded with zero tokens to a multiple
+// of 16 (the FP8 GEMM's tile).
+//
+// The scaling state is a float32 tensor of [3 * linears, kFp8Width] owned by the model (ls_fairseq/ops/fp8.py:
+// Fp8State); a linear takes rows 3 slot (input), 3 slot + 1 (weight), 3 slot + 2 (output gradient). mode: 0 off;
+// 1 + the gradient format (0 e4m3, 1 e5m2), + 2 for current scaling (the first forward and backward of a state).
+//
+// A layer whose sizes are not multiples of 16 takes the plain linear node instead (ag_linear_mode), so any model
+// size trains.
 #include <torch/extension.h>
 
 #include "torch/adapter.h"
@@ -24,89 +35,166 @@ ls::Fp8Format to_format(const char* op, int64_t f) {
   return f == 0 ? ls::Fp8Format::E4M3 : ls::Fp8Format::E5M2;
 }
 
-// (q, scale_inv) of a contiguous CUDA tensor; checks done by the callers
-std::pair<Tensor, Tensor> quantize(const char* op, const Tensor& x, ls::Fp8Format fmt) {
-  const ls::DType dt = to_dtype(op, x);
+int64_t padded16(int64_t m) { return (m + 15) / 16 * 16; }
+
+Tensor scale_inv_of(const Tensor& state, int64_t row) { return state.select(0, row).select(0, ls::kFp8ScaleInv); }
+
+void check_state(const char* op, const Tensor& state, int64_t rows_needed, const Tensor& x) {
+  LS_CHECK(state.defined() && state.dim() == 2 && state.size(1) == ls::kFp8Width &&
+               state.scalar_type() == at::kFloat && state.is_contiguous(),
+           op, ": FP8 state must be a contiguous float32 [rows, ", ls::kFp8Width, "] tensor, got ",
+           state.defined() ? state.sizes() : at::IntArrayRef{});
+  LS_CHECK(state.device() == x.device(), op, ": FP8 state is on ", state.device().str(), ", the input on ",
+           x.device().str());
+  LS_CHECK(rows_needed >= 0 && rows_needed <= state.size(0), op, ": FP8 state has ", state.size(0),
+           " rows, this layer needs ", rows_needed);
+}
+
+// [codes [M, K] or undefined, transposed codes [K, Mp] or undefined] of a 2-d tensor under state row `row`
+std::pair<Tensor, Tensor> quantize(const char* op, const Tensor& x2_in, const Tensor& state, int64_t row,
+                                   ls::Fp8Format fmt, bool current, bool rowwise, bool transposed) {
+  Tensor x2 = contig(x2_in);
+  if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // the kernel reads 16-byte words
+  const ls::DType dt = to_dtype(op, x2);
+  const int64_t M = x2.size(0), K = x2.size(1), Mp = padded16(M);
   const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-  Tensor q = at::empty(x.sizes(), x.options().dtype(qt));
-  Tensor scale_inv = at::empty({}, x.options().dtype(at::kFloat));
-  Tensor scratch = at::empty({1}, x.options().dtype(at::kInt));
-  const int64_t n = x.numel();
-  if (n > 0) {
-    c10::cuda::CUDAGuard guard(x.device());
-    launch(op, [&] {
-      ls::fp8_quantize(dt, x.data_ptr(), n, fmt, reinterpret_cast<unsigned*>(scratch.data_ptr()), q.data_ptr(),
-                       scale_inv.data_ptr<float>(), stream());
-    });
-  } else {
-    scale_inv.fill_(1.0);
-  }
-  return {q, scale_inv};
+  Tensor q = rowwise ? at::empty({M, K}, x2.options().dtype(qt)) : Tensor();
+  Tensor q_t = transposed ? at::empty({K, Mp}, x2.options().dtype(qt)) : Tensor();
+  c10::cuda::CUDAGuard guard(x2.device());
+  launch(op, [&] {
+    ls::fp8_quantize(dt, x2.data_ptr(), M, K, state.data_ptr<float>() + row * ls::kFp8Width, fmt, current,
+                     rowwise ? q.data_ptr() : nullptr, transposed ? q_t.data_ptr() : nullptr,
+                     transposed ? Mp : M, stream());
+  });
+  return {q, q_t};
+}
+
+struct Use {
+  int64_t grad_format;
+  bool current;
+  Tensor state;
+  int64_t slot;
+  int64_t row(int role) const { return 3 * slot + role; }
+};
+
+Use use_of(const char* op, int64_t mode, const OptTensor& state, int64_t slot, const Tensor& x) {
+  LS_CHECK(mode >= 1 && mode <= 4, op, ": FP8 mode must be 1 to 4, got ", mode);
+  LS_CHECK(present(state), op, ": FP8 needs its scaling state");
+  LS_CHECK(slot >= 0, op, ": FP8 slot must be >= 0, got ", slot);
+  check_state(op, *state, 3 * (slot + 1), x);
+  return {(mode - 1) & 1, (mode - 1) >= 2, *state, slot};
+}
+
+// The forward's GEMM and what the backward keeps: [y2, x's transposed codes (or undefined), W's transposed codes,
+// 1/s of x, 1/s of W]
+std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias, const Use& u,
+                                   bool keep_x) {
+  const char* op = "fp8_linear";
+  auto [xq, xq_t] = quantize(op, x2, u.state, u.row(0), ls::Fp8Format::E4M3, u.current, true, keep_x);
+  auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, u.current, true, true);
+  Tensor sx = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
+  // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes; fast accumulation forward
+  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, x2.scalar_type(), true);
+  return {y2, xq_t, wq_t, sx, sw};
+}
+
+// [dx2 (or undefined), dW (or undefined)] from the output gradient g2 [M, N]
+std::pair<Tensor, Tensor> linear_backward(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t, const Tensor& sx,
+                                          const Tensor& sw, const Use& u, bool need_dx, bool need_dw,
+                                          at::ScalarType w_dtype) {
+  const char* op = "fp8_linear backward";
+  auto [gq, gq_t] = quantize(op, g2, u.state, u.row(2), to_format(op, u.grad_format), u.current, need_dx, need_dw);
+  Tensor sg = scale_inv_of(u.state, u.row(2));
+  Tensor dx, dw;
+  // dx = dY W: mat2 = W [N, K] column-major, i.e. the transposed codes viewed back
+  if (need_dx) dx = at::_scaled_mm(gq, wq_t.t(), sg, sw, std::nullopt, std::nullopt, g2.scalar_type(), false);
+  // dW = dY^T x: mat1 = dY^T [N, Mp] row-major, mat2 = x [Mp, K] column-major (its transposed codes viewed back)
+  if (need_dw) dw = at::_scaled_mm(gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, false);
+  return {dx, dw};
 }
 
 struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
-                        int64_t grad_format) {
+                        int64_t mode, const Tensor& state, int64_t slot) {
+    const Use u = use_of("fp8_linear", mode, state, slot, x);
     const int64_t K = x.size(-1);
     Tensor x2 = contig(x.reshape({-1, K}));
-    auto f = fp8_linear_forward(x2, weight, bias);
+    auto f = linear_forward(x2, weight, bias, u, weight.requires_grad());
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({x2, weight, f[1], f[2]});
+    ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
     ctx->saved_data["hb"] = present(bias);
-    ctx->saved_data["gf"] = grad_format;
+    ctx->saved_data["mode"] = mode;
+    ctx->saved_data["slot"] = slot;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
     return at::_unsafe_view(f[0], sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& g = grads[0];
-    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     auto s = ctx->get_saved_variables();
-    const Tensor &x2 = s[0], &w = s[1], &wq = s[2], &sw = s[3];
-    Tensor g2 = contig(g.reshape({-1, w.size(0)}));
-    Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) {
-      auto sizes = g.sizes().vec();
-      sizes.back() = w.size(1);
-      dx = at::_unsafe_view(fp8_linear_input_grad(g2, wq, sw, ctx->saved_data["gf"].toInt()), sizes);
-    }
-    if (ctx->needs_input_grad(1)) dw = at::mm(g2.t(), x2);
-    if (ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2)) db = g2.sum(0);
-    return {dx, dw, db, Tensor()};
+    const Use u{(ctx->saved_data["mode"].toInt() - 1) & 1, ctx->saved_data["mode"].toInt() >= 3, s[4],
+                ctx->saved_data["slot"].toInt()};
+    const int64_t N = g.size(-1);
+    Tensor g2 = contig(g.reshape({-1, N}));
+    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) && s[0].defined();
+    auto [dx2, dw] = linear_backward(g2, s[0], s[1], s[2], s[3], u, need_dx, need_dw,
+                                     static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+    Tensor dx = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
+    Tensor db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2) ? g2.sum(0) : Tensor();
+    return {dx, dw, db, Tensor(), Tensor(), Tensor()};
   }
 };
 
 }  // namespace
 
-std::vector<Tensor> fp8_linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias) {
-  const char* op = "fp8_linear";
-  auto [xq, sx] = quantize(op, x2, ls::Fp8Format::E4M3);
-  auto [wq, sw] = quantize(op, contig(weight), ls::Fp8Format::E4M3);
-  // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes; fast accumulation forward
-  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, x2.scalar_type(), true);
-  return {y2, wq, sw};
-}
-
-Tensor fp8_linear_input_grad(const Tensor& g2, const Tensor& wq, const Tensor& sw, int64_t grad_format) {
-  const char* op = "fp8_linear backward";
-  auto [gq, sg] = quantize(op, g2, to_format(op, grad_format));
-  // mat2 = W [N, K] column-major: the transposed copy of the codes, viewed back
-  Tensor wqt = wq.t().contiguous();
-  return at::_scaled_mm(gq, wqt.t(), sg, sw, std::nullopt, std::nullopt, g2.scalar_type(), false);
-}
-
 bool fp8_linear_shapes_ok(const Tensor& weight) { return weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0; }
 
-std::vector<Tensor> fp8_quantize(const Tensor& x, int64_t format) {
+std::vector<Tensor> fp8_linear_forward_keep_w(const Tensor& x2, const Tensor& weight, int64_t mode,
+                                              const OptTensor& state, int64_t slot) {
+  const Use u = use_of("fp8_linear", mode, state, slot, x2);
+  auto f = linear_forward(x2, weight, std::nullopt, u, false);
+  return {f[0], f[2], f[3], f[4]};  // y2, W's transposed codes, 1/s of x, 1/s of W
+}
+
+std::vector<Tensor> fp8_linear_backward_from_x(const Tensor& g2, const Tensor& x2, const Tensor& wq_t,
+                                               const Tensor& sx, const Tensor& sw, int64_t mode,
+                                               const OptTensor& state, int64_t slot, bool need_dw) {
+  const Use u = use_of("fp8_linear backward", mode, state, slot, g2);
+  // the input's transposed codes again, from the recomputed input under the forward's scale (the same codes)
+  Tensor xq_t = need_dw ? quantize("fp8_linear backward", x2, u.state, u.row(0), ls::Fp8Format::E4M3, u.current,
+                                   false, true).second
+                        : Tensor();
+  auto [dx, dw] = linear_backward(g2, xq_t, wq_t, sx, sw, u, true, need_dw, x2.scalar_type());
+  return {dx, dw};
+}
+
+std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,
+                                 bool rowwise, bool transposed) {
   const char* op = "fp8_quantize";
   LS_CHECK_INPUT(op, x);
   to_dtype(op, x);
-  auto [q, s] = quantize(op, x, to_format(op, format));
-  return {q, s};
+  LS_CHECK(x.dim() == 2 && x.size(1) % 16 == 0, op, ": expected a 2-d tensor whose rows are a multiple of 16 long, got ",
+           x.sizes());
+  LS_CHECK(row >= 0, op, ": row must be >= 0, got ", row);
+  check_state(op, state, row + 1, x);
+  auto [q, q_t] = quantize(op, x, state, row, to_format(op, format), current, rowwise, transposed);
+  return {q, q_t};
 }
 
-Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t grad_format) {
+void fp8_roll(const Tensor& state, int64_t grad_format) {
+  const char* op = "fp8_roll";
+  LS_CHECK(state.is_cuda(), op, ": FP8 state must be a CUDA tensor");
+  check_state(op, state, 0, state);
+  c10::cuda::CUDAGuard guard(state.device());
+  launch(op, [&] { ls::fp8_roll(state.data_ptr<float>(), state.size(0), to_format(op, grad_format), stream()); });
+}
+
+Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t mode,
+                     const OptTensor& state, int64_t slot) {
   const char* op = "fp8_linear";
   LS_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
            " does not match weight ", weight.sizes());
@@ -121,12 +209,14 @@ Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bia
     LS_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(), op,
              ": bias must be [", weight.size(0), "] of ", x.scalar_type(), ", got ", bias->sizes(), " of ",
              bias->scalar_type());
-  to_format(op, grad_format);
-  return Fp8LinearNode::apply(x, weight, bias, grad_format);
+  const Use u = use_of(op, mode, state, slot, x);
+  if (x.numel() == 0) return ag_linear(x, weight, bias);
+  return Fp8LinearNode::apply(x, weight, bias, mode, u.state, slot);
 }
 
-Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t fp8) {
-  if (fp8 > 0 && fp8_linear_shapes_ok(weight) && x.dim() >= 2) return ag_fp8_linear(x, weight, bias, fp8 - 1);
+Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8) {
+  if (fp8.mode > 0 && fp8_linear_shapes_ok(weight) && x.dim() >= 2)
+    return ag_fp8_linear(x, weight, bias, fp8.mode, fp8.state, fp8.slot);
   return ag_linear(x, weight, bias);
 }
 

@@ -112,7 +112,7 @@ struct LayerArgs {
   Dropouts p;
   bool pre;          // normalize_before
   int64_t short_len;
-  int64_t fp8;
+  Fp8Args fp8;       // slots: self-attention QKV 0, output 1; FFN 2, 3; cross-attention query 4, output 5
   bool invertible;   // kInvertibleLayerNorm
   bool recompute;    // kRecomputeActivation
 };
@@ -135,22 +135,23 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
                             double eps, const LayerArgs& a) {
   auto [h, residual] = block_input(x, a, w[0], w[1], eps);
-  Tensor qkv = ag_linear_mode(h, w[2], std::nullopt, a.fp8);
+  Tensor qkv = ag_linear_mode(h, w[2], std::nullopt, a.fp8.at(0));
   auto parts = ag_split_heads(qkv, w[3], 3, a.num_heads);
   Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len);
-  h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8);
+  h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8.at(1));
   return block_output(h, w[5], residual, a, w[0], w[1], eps);
 }
 
 Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
                  const LayerArgs& a) {
   auto [h, residual] = block_input(x, a, w[6], w[7], eps);
-  h = ag_linear_mode(h, w[8], std::nullopt, a.fp8);
+  h = ag_linear_mode(h, w[8], std::nullopt, a.fp8.at(2));
   if (a.recompute && activation == "gelu") {
-    h = ag_bias_act_linear(h, w[9], w[10], activation, a.p.act, a.fp8)[0];
+    const Fp8Args f = a.fp8.at(3);
+    h = ag_bias_act_linear(h, w[9], w[10], activation, a.p.act, f.mode, f.state, f.slot)[0];
   } else {
     h = ag_bias_act_dropout(h, w[9], activation, a.p.act)[0];
-    h = ag_linear_mode(h, w[10], std::nullopt, a.fp8);
+    h = ag_linear_mode(h, w[10], std::nullopt, a.fp8.at(3));
   }
   return block_output(h, w[11], residual, a, w[6], w[7], eps);
 }
@@ -159,13 +160,14 @@ Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, 
                              const std::vector<Tensor>& w, double eps, const LayerArgs& a) {
   auto [h, residual] = block_input(x, a, w[12], w[13], eps);
   const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
-  Tensor q = ag_linear_mode(h, w[14], w[15], a.fp8).view({B, T, a.num_heads, C / a.num_heads}).transpose(1, 2);
+  Tensor q = ag_linear_mode(h, w[14], w[15], a.fp8.at(4)).view({B, T, a.num_heads, C / a.num_heads}).transpose(1, 2);
   Tensor out = attention(q, k, v, attend, false, a.p.cross_attn, a.short_len);
-  h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, a.fp8);
+  h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, a.fp8.at(5));
   return block_output(h, w[17], residual, a, w[12], w[13], eps);
 }
 
-LayerArgs layer_args(int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len, int64_t fp8, int64_t memory) {
+LayerArgs layer_args(int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len, const Fp8Args& fp8,
+                     int64_t memory) {
   LS_CHECK(memory >= 0 && memory <= (kInvertibleLayerNorm | kRecomputeActivation),
            "transformer layer: unknown memory mode bits ", memory);
   return {num_heads, p, pre, short_len, fp8, (memory & kInvertibleLayerNorm) != 0,
@@ -209,11 +211,12 @@ void check_padding_mask(const char* op, const char* what, const OptTensor& mask,
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8, int64_t memory) {
+                         int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
+                         int64_t memory) {
   const char* op = "encoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, 0.0};
   check_layer(op, x, weights, 12, eps, 2, num_heads, activation, p);
-  const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, fp8, memory);
+  const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, Fp8Args{fp8, fp8_state, fp8_slot}, memory);
   check_padding_mask(op, "key_padding_mask", key_padding_mask, x.size(0), x.size(1), x);
   ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor attend = present(key_padding_mask) ? OptTensor(attend_mask(*key_padding_mask)) : std::nullopt;
@@ -226,11 +229,12 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8, int64_t memory) {
+                         int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
+                         int64_t memory) {
   const char* op = "decoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, cross_attention_dropout};
   check_layer(op, x, weights, 18, eps, 3, num_heads, activation, p);
-  const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, fp8, memory);
+  const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, Fp8Args{fp8, fp8_state, fp8_slot}, memory);
   const int64_t B = x.size(0), C = x.size(2);
   for (const Tensor* t : {&cross_k, &cross_v})
     LS_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == num_heads && t->size(3) == C / num_heads &&

@@ -68,30 +68,45 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8, int64_t memory);
+                         int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
+                         int64_t memory);
 Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
                          const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
-                         int64_t short_len, int64_t fp8, int64_t memory);
+                         int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
+                         int64_t memory);
 
-// fp8.cpp: per-tensor FP8 quantisation (format 0 = e4m3, 1 = e5m2) -> [codes, scale_inv], and the FP8 linear
-// node (grad_format: the format of the output gradient). ag_linear_mode: fp8 = 0 the plain linear node, 1 + g
-// the FP8 node with gradient format g where the weight's sizes allow it (multiples of 16), else the plain one.
-std::vector<Tensor> fp8_quantize(const Tensor& x, int64_t format);
-Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t grad_format);
-Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t fp8);
-// The FP8 linear's pieces, for nodes that build on it: the forward over the 2-d input -> [y2, weight codes,
-// weight scale_inv], and the input gradient from those codes.
+// fp8.cpp: FP8 linear layers with delayed per-tensor scaling (the state and mode are described there).
+struct Fp8Args {
+  int64_t mode = 0;  // 0 off; 1 + gradient format (+ 2: current scaling)
+  OptTensor state;   // float32 [3 * linears, kFp8Width]
+  int64_t slot = 0;  // this linear's index in the state
+  Fp8Args at(int64_t k) const { return {mode, state, slot + k}; }
+};
+std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,
+                                 bool rowwise, bool transposed);
+void fp8_roll(const Tensor& state, int64_t grad_format);
+Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t mode,
+                     const OptTensor& state, int64_t slot);
+// fp8 off or a weight whose sizes are not multiples of 16: the plain linear node
+Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8);
 bool fp8_linear_shapes_ok(const Tensor& weight);
-std::vector<Tensor> fp8_linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias);
-Tensor fp8_linear_input_grad(const Tensor& g2, const Tensor& wq, const Tensor& sw, int64_t grad_format);
+// The FP8 linear's pieces for a node that recomputes its input in the backward (ag_bias_act_linear): the forward
+// over the 2-d input -> [y2, W's transposed codes, 1/s of x, 1/s of W], and [dx2, dW (or undefined)] from the
+// recomputed input.
+std::vector<Tensor> fp8_linear_forward_keep_w(const Tensor& x2, const Tensor& weight, int64_t mode,
+                                              const OptTensor& state, int64_t slot);
+std::vector<Tensor> fp8_linear_backward_from_x(const Tensor& g2, const Tensor& x2, const Tensor& wq_t,
+                                               const Tensor& sx, const Tensor& sw, int64_t mode,
+                                               const OptTensor& state, int64_t slot, bool need_dw);
 
 // dropout(act(x + bias)) W^T as one node that keeps the activation's input, not its output, and
 // recomputes the output in the backward (--ls-recompute-activation) -> [y, mask]. fp8 as in ag_linear_mode.
 std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,
-                                       const std::string& activation, double p, int64_t fp8);
+                                       const std::string& activation, double p, int64_t fp8,
+                                       const OptTensor& fp8_state, int64_t fp8_slot);
 
 // Memory modes of the layers (bits of the `memory` argument of encoder_layer_fwd / decoder_layer_fwd).
 constexpr int64_t kInvertibleLayerNorm = 1;  // layer norms keep their output, not their input

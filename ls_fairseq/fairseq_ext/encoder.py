@@ -33,7 +33,8 @@ class LSTransformerEncoder(FairseqEncoder):
         ])
         self.num_layers = len(self.layers)
         self.layer_norm = LayerNorm(C) if cfg.encoder.normalize_before else None
-        self.fp8_checked = False  # --fp8 (the layers' mode, fp8_mode.set_fp8_mode) checked against the device
+        self.fp8_state = None  # the layers' FP8 scaling state under --fp8 (fp8_mode.set_fp8_mode)
+        self.fp8_checked = False  # --fp8 checked against the device
         self._register_state_dict_hook(_save_hook)
         self.register_load_state_dict_pre_hook(_load_hook)
 
@@ -58,10 +59,11 @@ class LSTransformerEncoder(FairseqEncoder):
         does); without it the encoder tests the tokens on the GPU, which makes the host wait."""
         if token_embeddings is not None:
             raise ValueError("ls_transformer does not accept precomputed token_embeddings")
-        if self.training and not self.fp8_checked:
-            if any(layer.fp8 for layer in self.layers):
+        if self.training and self.fp8_state is not None:  # a training forward begins: the FP8 scales for it
+            if not self.fp8_checked:
                 check_fp8_device(self.embed_tokens.weight)
-            self.fp8_checked = True
+                self.fp8_checked = True
+            self.fp8_state.begin_forward(self.embed_tokens.weight.device)
         T = src_tokens.shape[1]
         if T > self.max_positions():
             raise ValueError(

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
+from ls_fairseq.ops.fp8 import fp8_now
 
 
 def xavier_block_(w, gain: float):
@@ -27,12 +28,6 @@ def linear_bias_init_(b, fan_in: int):
     bound = 1.0 / math.sqrt(fan_in)
     with torch.no_grad():
         b.uniform_(-bound, bound)
-
-
-def fp8_now(module) -> int:
-    """The FP8 mode ``module``'s projections use now (ls_fairseq/ops/fp8.py): its ``fp8`` while it trains, 0 in
-    evaluation (validation and generation run in the model's own precision)."""
-    return module.fp8 if module.training else 0
 
 
 def check_heads(embed_dim: int, num_heads: int, what: str):
@@ -51,7 +46,7 @@ class SelfAttention(nn.Module):
         self.num_heads = num_heads
         self.attention_dropout = attention_dropout
         self.causal = causal
-        self.fp8 = 0  # FP8 mode of the projections while training (ls_fairseq/ops/fp8.py)
+        self.fp8 = None  # Fp8Ref: the projections' slots in the model's FP8 state under --fp8 (ls_fairseq/ops/fp8.py)
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim))
         self.out_proj = nn.Linear(embed_dim, embed_dim)
@@ -71,8 +66,7 @@ class SelfAttention(nn.Module):
         ``cache`` (incremental decoding): holds prev_key / prev_value [B, H, t, D]; new keys
         and values are appended and stored back.
         """
-        fp8 = fp8_now(self)
-        qkv = ops.linear(x, self.in_proj_weight, fp8=fp8)
+        qkv = ops.linear(x, self.in_proj_weight, fp8=fp8_now(self, 0))
         q, k, v = ops.qkv_split(qkv, self.in_proj_bias, self.num_heads)
         if cache is not None:
             if "prev_key" in cache:
@@ -81,7 +75,7 @@ class SelfAttention(nn.Module):
             cache["prev_key"], cache["prev_value"] = k, v
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             p=self.attention_dropout, training=self.training)
-        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8)
+        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))
 
 
 class CrossAttention(nn.Module):
@@ -91,7 +85,7 @@ class CrossAttention(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.attention_dropout = attention_dropout
-        self.fp8 = 0  # FP8 mode of the projections while training (ls_fairseq/ops/fp8.py)
+        self.fp8 = None  # Fp8Ref: the projections' slots in the model's FP8 state under --fp8 (ls_fairseq/ops/fp8.py)
         self.q_proj = nn.Linear(embed_dim, embed_dim)
         self.out_proj = nn.Linear(embed_dim, embed_dim)
         xavier_block_(self.q_proj.weight, 1 / math.sqrt(2))
@@ -101,9 +95,8 @@ class CrossAttention(nn.Module):
     def forward(self, x, k, v, key_padding_mask=None):
         """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]."""
         B, T, C = x.shape
-        fp8 = fp8_now(self)
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias, fp8=fp8)
+        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias, fp8=fp8_now(self, 0))
         q = q.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training)
-        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8)
+        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))

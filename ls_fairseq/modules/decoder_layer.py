@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
-from ls_fairseq.modules.attention import (CrossAttention, SelfAttention, check_heads, fp8_now, linear_bias_init_,
+from ls_fairseq.modules.attention import (CrossAttention, SelfAttention, check_heads, linear_bias_init_,
                                           xavier_block_)
 from ls_fairseq.modules.encoder_layer import EncoderLayer, _attention_p
 from ls_fairseq.modules.layer_norm import LayerNorm
+from ls_fairseq.ops.fp8 import fp8_now
 
 
 class BatchedCrossKV(nn.Module):
@@ -27,7 +28,7 @@ class BatchedCrossKV(nn.Module):
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_layers = num_layers
-        self.fp8 = 0  # FP8 mode of the projection while training (ls_fairseq/ops/fp8.py)
+        self.fp8 = None  # Fp8Ref: the projection's slot in the model's FP8 state under --fp8 (ls_fairseq/ops/fp8.py)
         self.weight = nn.Parameter(torch.empty(num_layers * 2 * embed_dim, embed_dim))
         self.bias = nn.Parameter(torch.empty(num_layers * 2 * embed_dim))
         C = embed_dim

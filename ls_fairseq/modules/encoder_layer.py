@@ -9,10 +9,11 @@ import importlib
 import torch.nn as nn
 
 from ls_fairseq import ops
-from ls_fairseq.modules.attention import SelfAttention, fp8_now
+from ls_fairseq.modules.attention import SelfAttention
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.ops._checks import check_activation, check_dropout
 from ls_fairseq.ops._dispatch import cpp_layers
+from ls_fairseq.ops.fp8 import cpp_fp8_args, fp8_now
 from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
 
 _attention_ops = importlib.import_module("ls_fairseq.ops.attention")  # the module; ops.attention is the op
@@ -37,7 +38,9 @@ class EncoderLayer(nn.Module):
         self.activation_dropout = activation_dropout
         self.activation = activation
         self.normalize_before = normalize_before
-        self.fp8 = 0  # FP8 mode of the FFN's projections while training (ls_fairseq/ops/fp8.py)
+        # Fp8Ref under --fp8 (ls_fairseq/ops/fp8.py): the layer's slots in the model's FP8 state, in the order of
+        # csrc/torch/layers.cpp (self-attention 0-1, FFN 2-3, a decoder's cross-attention 4-5)
+        self.fp8 = None
         self.recompute_activation = False  # --ls-recompute-activation (ls_fairseq/ops/bias_act_linear.py)
         self.self_attn = SelfAttention(embed_dim, num_heads, attention_dropout, causal=False)
         self.self_attn_layer_norm = LayerNorm(embed_dim)
@@ -64,7 +67,8 @@ class EncoderLayer(nn.Module):
     def cpp_args(self):
         """The C++ layer call's arguments after its inputs and masks (csrc/torch/layers.cpp)."""
         return (self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
-                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, fp8_now(self), self.memory_bits())
+                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, *cpp_fp8_args(fp8_now(self)),
+                self.memory_bits())
 
     def memory_bits(self) -> int:
         """The memory modes as the C++ layer takes them (csrc/torch/ops.h: 1 invertible layer norms,
@@ -95,14 +99,13 @@ class EncoderLayer(nn.Module):
 
     def ffn(self, x):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        fp8 = fp8_now(self)
-        h = ops.linear(h, self.fc1.weight, fp8=fp8)
+        h = ops.linear(h, self.fc1.weight, fp8=fp8_now(self, 2))
         if self.recomputes_activation():
             h = ops.bias_act_linear(h, self.fc1.bias, self.fc2.weight, self.activation, self.activation_dropout,
-                                    self.training, fp8=fp8)
+                                    self.training, fp8=fp8_now(self, 3))
         else:
             h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
-            h = ops.linear(h, self.fc2.weight, fp8=fp8)
+            h = ops.linear(h, self.fc2.weight, fp8=fp8_now(self, 3))
         x = ops.bias_dropout_residual(h, self.fc2.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.final_layer_norm(x)

@@ -11,12 +11,15 @@ one C++ autograd node (csrc/torch/autograd.cpp); elsewhere the reference below, 
 the references (FP8 on CPU takes the stored path).
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from ls_fairseq.ops._checks import check_activation, check_dropout, check_last_dim
 from ls_fairseq.ops._dispatch import cpp_nodes, kernel_module
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_reference
+from ls_fairseq.ops.fp8 import Fp8Use, cpp_fp8_args
 from ls_fairseq.ops.linear import linear
 
 
@@ -50,7 +53,8 @@ def bias_act_linear_reference(x, bias, weight, activation: str = "gelu", p: floa
     return _RecomputeReference.apply(x, bias, weight, activation, float(p) if training else 0.0, mask)
 
 
-def bias_act_linear(x, bias, weight, activation: str = "gelu", p: float = 0.0, training: bool = True, fp8: int = 0):
+def bias_act_linear(x, bias, weight, activation: str = "gelu", p: float = 0.0, training: bool = True,
+                    fp8: Optional[Fp8Use] = None):
     check_activation(activation)
     check_dropout(p, "activation dropout")
     if bias is not None:
@@ -61,7 +65,7 @@ def bias_act_linear(x, bias, weight, activation: str = "gelu", p: float = 0.0, t
     if mod is not None and x.dim() >= 2 and x.dtype == weight.dtype:
         nodes = cpp_nodes(mod)
         if nodes is not None:
-            return nodes.ag_bias_act_linear(x, bias, weight, activation, p_eff, int(fp8))[0]
-    if fp8 or mod is not None:  # the Python kernel Functions and FP8 off CUDA: the stored path
+            return nodes.ag_bias_act_linear(x, bias, weight, activation, p_eff, *cpp_fp8_args(fp8))[0]
+    if fp8 is not None or mod is not None:  # the Python kernel Functions and FP8 off CUDA: the stored path
         return linear(bias_act_dropout(x, bias, activation, p, training), weight, fp8=fp8)
     return bias_act_linear_reference(x, bias, weight, activation, p_eff, True)

@@ -1,24 +1,28 @@
-"""FP8 linear layers: ``linear(x, weight, bias, fp8=mode)`` with the GEMMs on FP8 tensor cores.
+"""FP8 linear layers: ``linear(x, weight, bias, fp8=use)`` with every GEMM on FP8 tensor cores.
 
-Numerics (csrc/kernels/fp8.cu holds the kernel, this file the same rule in plain PyTorch):
+Numerics (csrc/kernels/fp8.cu holds the kernels, this file the same rules in plain PyTorch):
 
-- Per-tensor current scaling. Each GEMM input is quantised with one scale taken from its own absolute
-  maximum at that moment, so a scale is never stale (no amax history to warm up, nothing to go wrong
-  after an fp16 loss-scale change). The scale is the largest power of two s with ``amax * s`` at most the
-  format's largest value (448 for e4m3, 57344 for e5m2): scaling is exact in fp32, the dequantisation
-  factor ``1 / s`` is exact, and the only rounding is the one to FP8 (nearest even).
-- Forward: ``y = (q(x) / s_x) (q(W) / s_W)^T`` with x and W in e4m3 (3 mantissa bits), accumulated in fp32
-  by the tensor cores, output in the input's dtype.
-- Backward: the input gradient is a second FP8 GEMM, dY quantised to the gradient format (``e4m3``, or
-  ``e5m2`` with 2 mantissa bits and 5 exponent bits) against the forward's e4m3 W. The weight gradient
-  ``dY^T x`` stays a GEMM in the input's dtype from the saved x, so the master weights' updates are as
-  precise as without FP8.
+- Per-tensor delayed scaling. Each quantised tensor (a linear layer's input, weight and output gradient)
+  has a row in the model's :class:`Fp8State`: the absolute maxima of its last ``HISTORY`` uses. Its scale is
+  the largest power of two s with ``m * s`` at most the format's largest value (448 for e4m3, 57344 for e5m2),
+  m the largest maximum of the history: scaling is exact in fp32, the dequantisation factor ``1 / s`` is exact,
+  and the only rounding is the one to FP8 (nearest even; values beyond the range saturate). The quantisation is
+  one pass over the tensor that also records its maximum; :meth:`Fp8State.begin_forward` (once per training
+  forward) moves the recorded maxima into the histories and derives the next scales. The first forward and
+  backward of a new state use current scaling (the tensor's own maximum, an extra pass), which fills the history.
+- Forward: ``y = [x] [W]^T`` with x and W in e4m3 (3 mantissa bits), accumulated in fp32 by the tensor cores,
+  output in the input's dtype.
+- Backward: ``dx = [dY] [W]`` and ``dW = [dY]^T [x]``, dY in the gradient format (``e4m3``, or ``e5m2`` with 2
+  mantissa bits and 5 exponent bits), from the same codes of x and W as the forward.
 - A weight whose sizes are not multiples of 16 (the FP8 GEMM's tile) uses the plain linear layer.
-- Inf or NaN in a tensor gives a NaN scale and NaN outputs: an fp16 overflow still reaches the
-  optimizer's overflow check.
+- Inf or NaN in a tensor gives NaN outputs (and stays out of the history): an fp16 overflow still reaches the
+  optimizer's overflow check, and the scales after it are unaffected.
 
-``mode`` (an int, as the layers pass it): 0 off, 1 + the gradient format (``FORMATS``).
+``Fp8Use`` (what the layers pass down): the mode (1 + gradient format, + 2 while scaling is current), the
+state's tensor and the linear's slot in it (rows 3 slot, 3 slot + 1, 3 slot + 2: input, weight, gradient).
 """
+
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -30,13 +34,77 @@ FP8_DTYPES = {E4M3: torch.float8_e4m3fn, E5M2: torch.float8_e5m2}
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 _MAX_EXPONENT = {E4M3: 9, E5M2: 16}  # the largest value is 0.875 * 2**F
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: FP8 tensor cores
+# a state row (csrc/kernels/launch.h): 1 / scale, scale, recorded amax, unused, then the history (newest first)
+WIDTH, SCALE_INV, SCALE, AMAX, HIST = 20, 0, 1, 2, 4
+HISTORY = WIDTH - HIST
 
 
 def mode_of(enabled: bool, grad_format: str) -> int:
-    """The layers' fp8 mode for ``--fp8`` and ``--fp8-grad-format``."""
+    """The layers' base fp8 mode for ``--fp8`` and ``--fp8-grad-format`` (0 off, 1 + the gradient format)."""
     if grad_format not in FORMATS:
         raise ValueError(f"--fp8-grad-format {grad_format!r}: choose from {', '.join(FORMATS)}")
     return 1 + FORMATS[grad_format] if enabled else 0
+
+
+class Fp8Use(NamedTuple):
+    mode: int  # 1 + gradient format, + 2 under current scaling
+    state: torch.Tensor  # float32 [rows, WIDTH]
+    slot: int
+
+    @property
+    def grad_format(self) -> int:
+        return (self.mode - 1) & 1
+
+    @property
+    def current(self) -> bool:
+        return self.mode >= 3
+
+    def at(self, k: int) -> "Fp8Use":
+        return self._replace(slot=self.slot + k)
+
+
+class Fp8State:
+    """The FP8 scaling state of a model's linear layers: 3 rows per linear, on the model's device, made at the
+    first training forward (which then scales by current maxima) and rolled at every later one."""
+
+    def __init__(self, linears: int, grad_format: int):
+        self.linears = linears
+        self.grad_format = grad_format
+        self.tensor: Optional[torch.Tensor] = None
+        self.current = True
+
+    def begin_forward(self, device: torch.device) -> None:
+        if self.tensor is None or self.tensor.device != device:
+            self.tensor = torch.zeros(3 * self.linears, WIDTH, device=device)
+            self.current = True
+        else:
+            self.current = False
+            fp8_roll(self.tensor, self.grad_format)
+
+    def use(self, slot: int) -> Fp8Use:
+        if self.tensor is None:
+            raise RuntimeError("FP8 state used before its first training forward (Fp8State.begin_forward)")
+        return Fp8Use(1 + self.grad_format + (2 if self.current else 0), self.tensor, slot)
+
+
+class Fp8Ref(NamedTuple):
+    """A module's place in its model's FP8 state: its first slot."""
+    state: Fp8State
+    slot: int
+
+
+def fp8_now(module, k: int = 0) -> Optional[Fp8Use]:
+    """What ``module``'s k-th projection passes as ``fp8`` now: its slot while it trains with FP8, None otherwise
+    (evaluation runs in the model's own precision)."""
+    ref = getattr(module, "fp8", None)
+    if ref is None or not module.training:
+        return None
+    return ref.state.use(ref.slot + k)
+
+
+def cpp_fp8_args(use: Optional[Fp8Use]):
+    """(mode, state, slot) as the C++ layer calls take them."""
+    return (0, None, 0) if use is None else (use.mode, use.state, use.slot)
 
 
 def shapes_ok(weight: torch.Tensor) -> bool:
@@ -44,7 +112,7 @@ def shapes_ok(weight: torch.Tensor) -> bool:
 
 
 def fp8_scale_reference(amax: torch.Tensor, fmt: int) -> torch.Tensor:
-    """The scale (fp32) for a tensor whose absolute maximum is ``amax`` (fp32), by the rule above."""
+    """The scale (fp32) for a reference maximum ``amax`` (fp32), by the rule above."""
     amax = amax.float()
     mantissa, exponent = torch.frexp(amax)
     top = _MAX_EXPONENT[fmt]
@@ -54,12 +122,48 @@ def fp8_scale_reference(amax: torch.Tensor, fmt: int) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
-def fp8_quantize_reference(x: torch.Tensor, fmt: int):
-    """(codes in torch's FP8 dtype, 1 / scale as an fp32 scalar) of ``x``."""
+def _row_format(row: int, grad_format: int) -> int:
+    return grad_format if row % 3 == 2 else E4M3
+
+
+def fp8_roll_reference(state: torch.Tensor, grad_format: int) -> None:
+    """What fp8_roll does to ``state`` (in place)."""
+    for r in range(state.shape[0]):
+        a = state[r, AMAX]
+        if torch.isfinite(a):
+            state[r, HIST + 1:] = state[r, HIST:WIDTH - 1].clone()
+            state[r, HIST] = a
+        s = fp8_scale_reference(state[r, HIST:].max(), _row_format(r, grad_format))
+        state[r, AMAX], state[r, SCALE], state[r, SCALE_INV] = 0.0, s, 1.0 / s
+
+
+def fp8_roll(state: torch.Tensor, grad_format: int) -> None:
+    mod = _ext.get()
+    if state.is_cuda and mod is not None and hasattr(mod, "fp8_roll"):
+        mod.fp8_roll(state, grad_format)
+    else:
+        fp8_roll_reference(state, grad_format)
+
+
+def fp8_quantize_reference(x: torch.Tensor, state: torch.Tensor, row: int, fmt: int, current: bool):
+    """(codes of the 2-d ``x`` in torch's FP8 dtype, its transposed codes padded with zero rows to a multiple
+    of 16 tokens) under ``state``'s row ``row``, updating the row as the kernel does."""
     xf = x.float()
     amax = xf.abs().max() if xf.numel() else torch.zeros((), device=x.device)
-    s = fp8_scale_reference(amax, fmt)
-    return (xf * s).to(FP8_DTYPES[fmt]), 1.0 / s
+    st = state[row]
+    st[AMAX] = torch.maximum(st[AMAX], amax.to(st.device))
+    if current:
+        s = fp8_scale_reference(st[AMAX], fmt)
+        st[SCALE], st[SCALE_INV] = s, 1.0 / s
+    else:
+        s = st[SCALE].clone()
+        if not torch.isfinite(amax):
+            st[SCALE_INV] = float("nan")
+    big = FP8_MAX[fmt]
+    q = (xf * s.to(x.device)).clamp(-big, big).to(FP8_DTYPES[fmt])  # saturating, as the kernel; NaN stays NaN
+    M = x.shape[0]
+    pad = torch.zeros((-M) % 16, x.shape[1], dtype=q.dtype, device=x.device)
+    return q, torch.cat([q, pad]).t().contiguous()
 
 
 def _dequantize(q, scale_inv):
@@ -70,46 +174,51 @@ class _Fp8LinearReference(torch.autograd.Function):
     """What the FP8 linear node computes, in fp32 from the same FP8 codes (CPU and tests)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_format):
+    def forward(ctx, x, weight, bias, use):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = fp8_quantize_reference(x2, E4M3)
-        wq, sw = fp8_quantize_reference(weight, E4M3)
+        st, r = use.state, 3 * use.slot
+        xq, _ = fp8_quantize_reference(x2, st, r, E4M3, use.current)
+        wq, _ = fp8_quantize_reference(weight, st, r + 1, E4M3, use.current)
+        sx, sw = st[r, SCALE_INV].clone(), st[r + 1, SCALE_INV].clone()
         y = _dequantize(xq, sx) @ _dequantize(wq, sw).t()
         if bias is not None:
             y = y + bias.float()
-        ctx.save_for_backward(x2, weight, wq, sw)
+        ctx.save_for_backward(xq, wq, sx, sw)
         ctx.has_bias = bias is not None
-        ctx.grad_format = grad_format
+        ctx.use = use
+        ctx.dtypes = (x.dtype, weight.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, g):
-        x2, weight, wq, sw = ctx.saved_tensors
-        g2 = g.reshape(-1, weight.shape[0])
+        xq, wq, sx, sw = ctx.saved_tensors
+        use = ctx.use
+        g2 = g.reshape(-1, wq.shape[0])
+        gq, _ = fp8_quantize_reference(g2, use.state, 3 * use.slot + 2, use.grad_format, use.current)
+        gd = _dequantize(gq, use.state[3 * use.slot + 2, SCALE_INV])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            gq, sg = fp8_quantize_reference(g2, ctx.grad_format)
-            dx = (_dequantize(gq, sg) @ _dequantize(wq, sw)).to(g.dtype).reshape(*g.shape[:-1], weight.shape[1])
+            dx = (gd @ _dequantize(wq, sw)).to(ctx.dtypes[0]).reshape(*g.shape[:-1], wq.shape[1])
         if ctx.needs_input_grad[1]:
-            dw = (g2.float().t() @ x2.float()).to(weight.dtype)
+            dw = (gd.t() @ _dequantize(xq, sx)).to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g2.float().sum(0).to(weight.dtype)
+            db = g2.float().sum(0).to(ctx.dtypes[1])
         return dx, dw, db, None
 
 
-def fp8_linear_reference(x, weight, bias=None, grad_format: int = E4M3):
-    return _Fp8LinearReference.apply(x, weight, bias, grad_format)
+def fp8_linear_reference(x, weight, bias, use: Fp8Use):
+    return _Fp8LinearReference.apply(x, weight, bias, use)
 
 
-def fp8_linear(x, weight, bias=None, grad_format: int = E4M3):
+def fp8_linear(x, weight, bias, use: Fp8Use):
     """x W^T (+ b) with FP8 GEMMs: the C++ node on CUDA (bf16/fp16), the fp32 reference elsewhere."""
     if not shapes_ok(weight):
         raise ValueError(f"fp8_linear: weight {tuple(weight.shape)} has a size that is not a multiple of 16")
     mod = _ext.get()
     if (x.is_cuda and mod is not None and hasattr(mod, "ag_fp8_linear")
             and x.dtype in (torch.float16, torch.bfloat16)):
-        return mod.ag_fp8_linear(x, weight, bias, grad_format)
-    return fp8_linear_reference(x, weight, bias, grad_format)
+        return mod.ag_fp8_linear(x, weight, bias, use.mode, use.state, use.slot)
+    return fp8_linear_reference(x, weight, bias, use)
 
 
 def fp8_unavailable_reason(device: torch.device, dtype: torch.dtype):

@@ -7,21 +7,23 @@ input records the transpose, the reshape and the product as separate nodes, each
 the forward and in the backward; a transformer-big micro-batch makes 62 of these calls. Everything
 else (CPU, mixed dtypes, autocast, torch.compile) is ``F.linear`` itself.
 
-``fp8`` (the layers' FP8 mode, ls_fairseq/ops/fp8.py): 0 off; 1 + a gradient format runs the product as
+``fp8`` (ls_fairseq/ops/fp8.py: Fp8Use, the layer's slot in its model's FP8 state, or None) runs the product as
 FP8 GEMMs where the weight's sizes allow it (multiples of 16).
 """
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ls_fairseq import _ext
 from ls_fairseq.ops._dispatch import _autocast_on, cpp_nodes
-from ls_fairseq.ops.fp8 import fp8_linear, shapes_ok
+from ls_fairseq.ops.fp8 import Fp8Use, fp8_linear, shapes_ok
 
 
-def linear(x, weight, bias=None, fp8: int = 0):
-    if fp8 and shapes_ok(weight):
-        return fp8_linear(x, weight, bias, fp8 - 1)
+def linear(x, weight, bias=None, fp8: Optional[Fp8Use] = None):
+    if fp8 is not None and shapes_ok(weight):
+        return fp8_linear(x, weight, bias, fp8)
     if (x.is_cuda and weight.is_cuda and x.dim() >= 2 and x.dtype == weight.dtype
             and (bias is None or (bias.dtype == x.dtype and bias.is_cuda))):
         nodes = cpp_nodes(_ext.get(), linear=True)

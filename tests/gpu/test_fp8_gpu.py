@@ -27,34 +27,81 @@ def _codes(q):
     return q.view(torch.uint8)
 
 
+def _mod():
+    return fp8._ext.get()
+
+
+def _state_with_history(rows, amaxes, grad_format):
+    """A state whose rows have rolled once with the given maxima (a delayed-scaling state)."""
+    st = torch.zeros(rows, fp8.WIDTH, device="cuda")
+    st[:, fp8.AMAX] = torch.as_tensor(amaxes, dtype=torch.float32, device="cuda")
+    _mod().fp8_roll(st, grad_format)
+    return st
+
+
 @pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 7, 8, 13, 4096, 1000003])
-def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, dtype, n):
-    g = torch.Generator(device="cuda").manual_seed(n)
-    x = (torch.randn(n, device="cuda", generator=g) * 7).to(dtype)
-    q, s = fp8._ext.get().fp8_quantize(x, fmt)
-    q_ref, s_ref = fp8.fp8_quantize_reference(x, fmt)
-    assert q.dtype == fp8.FP8_DTYPES[fmt] and s.dtype == torch.float32
-    assert float(s) == float(s_ref)
+@pytest.mark.parametrize("M,K", [(1, 16), (7, 32), (13, 48), (64, 64), (100, 1040), (4099, 256), (1000, 1024)])
+@pytest.mark.parametrize("current", [True, False], ids=["current", "delayed"])
+def test_quantize_kernel_is_the_reference_bit_for_bit(fmt, dtype, M, K, current):
+    g = torch.Generator(device="cuda").manual_seed(M * K)
+    x = (torch.randn(M, K, device="cuda", generator=g) * 7).to(dtype)
+    # delayed: a history whose maximum is below this tensor's, so some codes saturate
+    st = _state_with_history(3, [0.0, 0.0, 0.0] if current else [5.0, 5.0, 5.0], fmt)
+    ref = st.clone()
+    q, q_t = _mod().fp8_quantize(x, st, 2, fmt, current, True, True)
+    q_ref, q_t_ref = fp8.fp8_quantize_reference(x, ref, 2, fmt, current)
+    assert q.dtype == fp8.FP8_DTYPES[fmt] and q_t.shape == (K, (M + 15) // 16 * 16)
     assert torch.equal(_codes(q), _codes(q_ref))
+    assert torch.equal(_codes(q_t), _codes(q_t_ref))
+    assert torch.equal(st, ref)  # the recorded maximum, the scale and 1/s
+    # one output alone gives the same codes
+    st2 = _state_with_history(3, [0.0, 0.0, 0.0] if current else [5.0, 5.0, 5.0], fmt)
+    only_t = _mod().fp8_quantize(x, st2, 2, fmt, current, False, True)[1]
+    assert torch.equal(_codes(only_t), _codes(q_t)) and torch.equal(st2, st)
 
 
 @pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
 def test_quantize_kernel_unaligned_and_special_values(fmt):
-    base = torch.randn(4099, device="cuda", dtype=torch.bfloat16)
-    x = base[3:]  # 6 bytes past an aligned start: the scalar path
-    q, s = fp8._ext.get().fp8_quantize(x, fmt)
-    q_ref, s_ref = fp8.fp8_quantize_reference(x, fmt)
-    assert float(s) == float(s_ref) and torch.equal(_codes(q), _codes(q_ref))
-    z = torch.zeros(100, device="cuda", dtype=torch.float16)
-    q, s = fp8._ext.get().fp8_quantize(z, fmt)
-    assert float(s) == 1.0 and torch.equal(_codes(q), torch.zeros_like(_codes(q)))
+    base = torch.randn(4099 * 16 + 3, device="cuda", dtype=torch.bfloat16)
+    x = base[3:].view(4099, 16)  # 6 bytes past an aligned start
+    for current in (True, False):
+        st = _state_with_history(3, [2.0] * 3, fmt)
+        ref = st.clone()
+        q, q_t = _mod().fp8_quantize(x, st, 0, fmt, current, True, True)
+        q_ref, q_t_ref = fp8.fp8_quantize_reference(x, ref, 0, fmt, current)
+        assert torch.equal(_codes(q), _codes(q_ref)) and torch.equal(_codes(q_t), _codes(q_t_ref))
+        assert torch.equal(st, ref)
+    z = torch.zeros(5, 32, device="cuda", dtype=torch.float16)
+    st = torch.zeros(3, fp8.WIDTH, device="cuda")
+    q, _ = _mod().fp8_quantize(z, st, 1, fmt, True, True, False)
+    assert float(st[1, fp8.SCALE]) == 1.0 and torch.equal(_codes(q), torch.zeros_like(_codes(q)))
     for bad in (float("inf"), float("nan")):
-        y = torch.ones(64, device="cuda", dtype=torch.float16)
-        y[17] = bad
-        q, s = fp8._ext.get().fp8_quantize(y, fmt)
-        assert torch.isnan(s) and torch.isnan(q.float()).all()
+        y = torch.ones(4, 16, device="cuda", dtype=torch.float16)
+        y[1, 7] = bad
+        st = torch.zeros(3, fp8.WIDTH, device="cuda")
+        q, _ = _mod().fp8_quantize(y, st, 0, fmt, True, True, False)
+        assert torch.isnan(st[0, fp8.SCALE_INV]) and torch.isnan(q.float()).all()
+        st = _state_with_history(3, [1.0] * 3, fmt)  # delayed: 1/s turns NaN, the history stays clean
+        _mod().fp8_quantize(y, st, 0, fmt, False, True, False)
+        assert torch.isnan(st[0, fp8.SCALE_INV])
+        _mod().fp8_roll(st, fmt)
+        assert float(st[0, fp8.HIST]) == 1.0 and float(st[0, fp8.SCALE_INV]) == 1.0 / float(st[0, fp8.SCALE])
+
+
+def test_roll_kernel_is_the_reference():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    st = torch.zeros(30, fp8.WIDTH, device="cuda")
+    for step in range(fp8.HISTORY + 3):
+        amax = torch.rand(30, device="cuda", generator=g) * 10.0 ** torch.randint(-6, 6, (30,), device="cuda",
+                                                                               generator=g)
+        amax[step % 30] = 0.0
+        amax[(step + 7) % 30] = float("inf") if step % 2 else float("nan")
+        st[:, fp8.AMAX] = amax
+        ref = st.cpu()
+        _mod().fp8_roll(st, fp8.E5M2)
+        fp8.fp8_roll_reference(ref, fp8.E5M2)
+        assert torch.equal(st.cpu(), ref), step
 
 
 def _bound(a, b):
@@ -72,53 +119,73 @@ ACC = 2.0 ** -11
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,K,N,bias", [(1, 16, 16, False), (37, 64, 48, True), (3 * 61, 1024, 4096, False),
                                             (1031, 4096, 1024, True)])
-def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias):
+@pytest.mark.parametrize("current", [True, False], ids=["current", "delayed"])
+def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias, current):
     g = torch.Generator(device="cuda").manual_seed(rows + K)
     x = torch.randn(rows, K, device="cuda", generator=g).to(dtype).requires_grad_()
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype).requires_grad_()
     b = torch.randn(N, device="cuda", generator=g).to(dtype).requires_grad_() if bias else None
     dy = torch.randn(rows, N, device="cuda", generator=g).to(dtype)
-    y = fp8._ext.get().ag_fp8_linear(x, w, b, grad_format)
+    hist = [0.0] * 3 if current else [3.0, 0.1, 2.5]
+    st = _state_with_history(3, hist, grad_format)
+    mode = 1 + grad_format + (2 if current else 0)
+    y = _mod().ag_fp8_linear(x, w, b, mode, st, 0)
     y.backward(dy)
+    ref = _state_with_history(3, hist, grad_format)
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     br = b.detach().clone().requires_grad_() if bias else None
-    yr = fp8.fp8_linear_reference(xr, wr, br, grad_format)
+    yr = fp8.fp8_linear_reference(xr, wr, br, fp8.Fp8Use(mode, ref, 0))
     yr.backward(dy)
+    assert torch.equal(st, ref)  # the same maxima recorded and scales used
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
     # forward: the same FP8 codes; the GPU accumulates in fp32 (fast accumulation) and rounds once
-    xq, sx = fp8.fp8_quantize_reference(x.detach(), fp8.E4M3)
-    wq, sw = fp8.fp8_quantize_reference(w.detach(), fp8.E4M3)
-    xd, wd = xq.float() * sx, wq.float() * sw
+    codes = _state_with_history(3, hist, grad_format)
+    xq, _ = fp8.fp8_quantize_reference(x.detach(), codes, 0, fp8.E4M3, current)
+    wq, _ = fp8.fp8_quantize_reference(w.detach(), codes, 1, fp8.E4M3, current)
+    gq, _ = fp8.fp8_quantize_reference(dy, codes, 2, grad_format, current)
+    xd, wd, gd = (q.float() * codes[r, fp8.SCALE_INV] for q, r in ((xq, 0), (wq, 1), (gq, 2)))
     gold = xd @ wd.t() + (b.detach().float() if bias else 0)
     tol = ulp * gold.abs() + ACC * _bound(xd, wd) + 1e-6
     assert torch.all((y.float() - gold).abs() <= tol), (y.float() - gold).abs().max()
     assert torch.all((y.float() - yr.float()).abs() <= 2 * tol)
     # input gradient: FP8 codes of dy in the gradient format against the e4m3 W
-    gq, sg = fp8.fp8_quantize_reference(dy, grad_format)
-    gd = gq.float() * sg
     gold_dx = gd @ wd
     tol = ulp * gold_dx.abs() + ACC * _bound(gd, wd.t()) + 1e-6
     assert torch.all((x.grad.float() - gold_dx).abs() <= tol), (x.grad.float() - gold_dx).abs().max()
-    # weight gradient: the high-precision product (a GEMM in dtype)
-    gold_dw = dy.float().t() @ x.detach().float()
-    tol = ulp * (gold_dw.abs() + 2 ** -6 * _bound(dy.float().t(), x.detach().float().t())) + 1e-6  # bf16/fp16 GEMM
-    assert torch.all((w.grad.float() - gold_dw).abs() <= tol)
+    # weight gradient: the same codes of dy and x, transposed (the tokens summed in the tensor cores)
+    gold_dw = gd.t() @ xd
+    tol = ulp * gold_dw.abs() + ACC * _bound(gd.t(), xd.t()) + 1e-6
+    assert torch.all((w.grad.float() - gold_dw).abs() <= tol), (w.grad.float() - gold_dw).abs().max()
+    # and it stays close to the exact weight gradient
+    exact_dw = dy.float().t() @ x.detach().float()
+    assert (w.grad.float() - exact_dw).norm() <= 0.15 * exact_dw.norm()
     if bias:
         torch.testing.assert_close(b.grad.float(), dy.float().sum(0), rtol=ulp, atol=ulp * rows ** 0.5)
 
 
 def test_fp8_linear_errors():
-    mod = fp8._ext.get()
+    mod = _mod()
     x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
+    st = torch.zeros(3, fp8.WIDTH, device="cuda")
+    w16 = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        mod.ag_fp8_linear(x, torch.randn(20, 32, device="cuda", dtype=torch.bfloat16), None, 0)
+        mod.ag_fp8_linear(x, torch.randn(20, 32, device="cuda", dtype=torch.bfloat16), None, 1, st, 0)
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        mod.ag_fp8_linear(x.float(), torch.randn(16, 32, device="cuda"), None, 0)
-    with pytest.raises(RuntimeError, match="format"):
-        mod.ag_fp8_linear(x, torch.randn(16, 32, device="cuda", dtype=torch.bfloat16), None, 5)
+        mod.ag_fp8_linear(x.float(), torch.randn(16, 32, device="cuda"), None, 1, st, 0)
+    with pytest.raises(RuntimeError, match="mode must be 1 to 4"):
+        mod.ag_fp8_linear(x, w16, None, 5, st, 0)
+    with pytest.raises(RuntimeError, match="state has 3 rows, this layer needs 6"):
+        mod.ag_fp8_linear(x, w16, None, 1, st, 1)
+    with pytest.raises(RuntimeError, match="float32"):
+        mod.ag_fp8_linear(x, w16, None, 1, st.half(), 0)
+    with pytest.raises(RuntimeError, match="scaling state"):
+        mod.ag_fp8_linear(x, w16, None, 1, None, 0)
+    with pytest.raises(RuntimeError, match="multiple of 16 long"):
+        mod.fp8_quantize(torch.randn(4, 20, device="cuda"), st, 0, 0, True)
 
 
-def _layers(fp8_mode, dtype=torch.bfloat16, seed=0):
+def _layers(grad_format, dtype=torch.bfloat16, seed=0):
+    from ls_fairseq.fairseq_ext.fp8_mode import attach_fp8
     from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
     from ls_fairseq.modules.encoder_layer import EncoderLayer
 
@@ -126,49 +193,57 @@ def _layers(fp8_mode, dtype=torch.bfloat16, seed=0):
     enc = EncoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
     dec = DecoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
     kv = BatchedCrossKV(256, 4, 1).cuda().to(dtype)
-    for m in (enc, dec, kv, enc.self_attn, dec.self_attn, dec.encoder_attn):
-        m.fp8 = fp8_mode
-    return enc, dec, kv
+    state = attach_fp8([enc, kv, dec], grad_format) if grad_format is not None else None
+    return enc, dec, kv, state
 
 
-@pytest.mark.parametrize("mode", [1, 2])
-def test_layers_fp8_close_to_bf16_and_cpp_equals_python(mode, monkeypatch):
+@pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
+def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, monkeypatch):
     from ls_fairseq.ops import _dispatch
 
     x = torch.randn(6, 29, 256, device="cuda", dtype=torch.bfloat16)
     src = torch.randn(6, 31, 256, device="cuda", dtype=torch.bfloat16)
     probe = torch.randn(6, 29, 256, device="cuda")
 
-    def run(fp8_mode, cpp=True):
+    def run(gf, cpp=True, steps=1):
         monkeypatch.setattr(_dispatch, "_CPP_LAYERS", cpp)
-        enc, dec, kv = _layers(fp8_mode)
-        xi, si = x.clone().requires_grad_(), src.clone().requires_grad_()
-        e = enc(si)
-        k, v = kv(e)
-        out = dec(xi, k, v)
-        (out.float() * probe).sum().backward()  # a random direction (a post-LN output's mean square is ~1)
+        enc, dec, kv, state = _layers(gf)
+        for _ in range(steps):  # the first step scales by current maxima, the later ones by the history
+            if state is not None:
+                state.begin_forward(x.device)
+            for m in (enc, dec, kv):
+                m.zero_grad()
+            xi, si = x.clone().requires_grad_(), src.clone().requires_grad_()
+            e = enc(si)
+            k, v = kv(e)
+            out = dec(xi, k, v)
+            (out.float() * probe).sum().backward()  # a random direction (a post-LN output's mean square is ~1)
         grads = [p.grad for m in (enc, dec, kv) for p in m.parameters()]
-        return out.detach(), xi.grad, si.grad, grads
+        return out.detach(), xi.grad, si.grad, grads, state
 
-    ref = run(0)
-    got = run(mode)
-    py = run(mode, cpp=False)
-    # the C++ layer call records the same nodes as the Python layers: identical results
-    assert torch.equal(got[0], py[0]) and torch.equal(got[1], py[1]) and torch.equal(got[2], py[2])
-    assert all(torch.equal(a, b) for a, b in zip(got[3], py[3]))
-    # and FP8 stays close to bf16: a few per cent where e4m3 / e5m2 round
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
-    assert rel(got[0], ref[0]) < 0.05
-    assert rel(got[1], ref[1]) < 0.15 and rel(got[2], ref[2]) < 0.15
-    flat = lambda grads: torch.cat([g.float().flatten() for g in grads])  # noqa: E731
-    assert rel(flat(got[3]), flat(ref[3])) < 0.15  # all parameter gradients together (some are ~0 alone)
+    ref = run(None)
+    for steps in (1, 3):
+        got = run(grad_format, steps=steps)
+        py = run(grad_format, cpp=False, steps=steps)
+        assert got[4].current == (steps == 1)
+        # the C++ layer call records the same nodes as the Python layers: identical results and states
+        assert torch.equal(got[0], py[0]) and torch.equal(got[1], py[1]) and torch.equal(got[2], py[2])
+        assert all(torch.equal(a, b) for a, b in zip(got[3], py[3]))
+        assert torch.equal(got[4].tensor, py[4].tensor)
+        # and FP8 stays close to bf16: a few per cent where e4m3 / e5m2 round
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+        assert rel(got[0], ref[0]) < 0.05
+        assert rel(got[1], ref[1]) < 0.15 and rel(got[2], ref[2]) < 0.15
+        flat = lambda grads: torch.cat([g.float().flatten() for g in grads])  # noqa: E731
+        assert rel(flat(got[3]), flat(ref[3])) < 0.15  # all parameter gradients together (some are ~0 alone)
     # in eval mode FP8 is off
-    enc, _, _ = _layers(mode)
-    enc0, _, _ = _layers(0)
+    enc, _, _, state = _layers(grad_format)
+    enc0, _, _, _ = _layers(None)
     enc.eval()
     enc0.eval()
     with torch.no_grad():
         assert torch.equal(enc(x), enc0(x))
+    assert state.tensor is None
 
 
 def test_lightseq_train_fp8_with_graph_step(corpus, tmp_path):

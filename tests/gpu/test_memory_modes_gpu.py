@@ -120,21 +120,31 @@ def test_recomputing_node_equals_the_stored_pair_bit_for_bit(dtype, act, p, fp8)
     w = (0.05 * torch.randn(256, 1024, device="cuda", generator=g)).to(dtype)
     gy = torch.randn(4, 37, 256, device="cuda", generator=g).to(dtype)
 
-    def run(recompute):
+    def run(recompute, mode, state):
         ins = [_leaf(t) for t in (x, b, w)]
         torch.manual_seed(11)
         if recompute:
-            y = nodes.ag_bias_act_linear(ins[0], ins[1], ins[2], act, p, fp8)[0]
+            y = nodes.ag_bias_act_linear(ins[0], ins[1], ins[2], act, p, mode, state, 0)[0]
         else:
             a = nodes.ag_bias_act_dropout(ins[0], ins[1], act, p)[0]
-            y = nodes.ag_fp8_linear(a, ins[2], None, fp8 - 1) if fp8 else nodes.ag_linear(a, ins[2], None)
+            y = nodes.ag_fp8_linear(a, ins[2], None, mode, state, 0) if mode else nodes.ag_linear(a, ins[2], None)
         return y, torch.autograd.grad(y, ins, gy)
 
-    y_r, g_r = run(True)
-    y_s, g_s = run(False)
-    assert torch.equal(y_r, y_s)
-    for name, a, s in zip(("dx", "dbias", "dweight"), g_r, g_s):
-        assert torch.equal(a, s), name
+    for current in ([True, False] if fp8 else [True]):  # FP8: the first (current) pass, then a delayed one
+        states = []
+        for _ in range(2):  # one state for each path
+            st = torch.zeros(3, 20, device="cuda")
+            if not current:  # a history from one pass of the same tensors
+                st[:, 2] = torch.tensor([3.0, 0.2, 0.01], device="cuda")  # the recorded maxima
+                nodes.fp8_roll(st, fp8 - 1)
+            states.append(st)
+        mode = fp8 + (2 if current and fp8 else 0)
+        y_r, g_r = run(True, mode, states[0])
+        y_s, g_s = run(False, mode, states[1])
+        assert torch.equal(y_r, y_s)
+        for name, a, s in zip(("dx", "dbias", "dweight"), g_r, g_s):
+            assert torch.equal(a, s), name
+        assert torch.equal(states[0], states[1])  # the same maxima recorded
 
 
 # ---------------------------------------------------------------- the in-place cross-entropy backward
