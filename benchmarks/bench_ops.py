@@ -5,6 +5,11 @@ Times are CUDA-event medians after warm-up. GB/s counts the bytes a fused kernel
 (inputs read once, outputs written once); "%copy" compares with the device copy bandwidth measured in
 the same run (read + write of a 1 GiB buffer). Also reports which SDPA backend attention takes with a
 key padding mask. Usage: python benchmarks/bench_ops.py [--tokens 8192 4096] [--dtype fp16]
+
+``--fp8`` instead times every projection of transformer-big (forward + backward, bias included) as a bf16 linear
+and as an FP8 linear (delayed scaling after one calibration step), splits the FP8 time into GEMMs and
+quantisation, and sums both over one update (encoder and decoder at the same token count): what FP8 saves per
+update, and what it would save if quantisation were free.
 """
 
 import argparse
@@ -186,12 +191,75 @@ def sdpa_report(dt):
     return lines
 
 
+def kernel_events(fn, iters=5):
+    """(name, GPU seconds per call) of each kernel fn runs, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.name, (e.time_range.end - e.time_range.start) * 1e-6 / iters)
+            for e in prof.events() if str(e.device_type).endswith("CUDA")]
+
+
+# transformer-big's projections: (name, in, out, uses per update with the encoder and decoder at N tokens each)
+FP8_LINEARS = [("self-attn qkv", 1024, 3072, 12), ("self-attn out", 1024, 1024, 12), ("ffn 1", 1024, 4096, 12),
+               ("ffn 2", 4096, 1024, 12), ("cross-attn q", 1024, 1024, 6), ("cross-attn out", 1024, 1024, 6),
+               ("cross-attn k,v (6 layers)", 1024, 12288, 1)]
+QUANT_KERNELS = ("amax_kernel", "cast_kernel", "roll_kernel")
+
+
+def fp8_report(N):
+    from ls_fairseq.ops import fp8 as F8
+
+    dt = torch.bfloat16
+    print(f"\nFP8 linear layers at {N} tokens (bf16 activations; GPU ms of forward + backward, profiler):\n")
+    print("| projection | K -> N | per update | bf16 | fp8 | fp8 GEMMs | fp8 quantisation | fp8 / bf16 | "
+          "GEMMs only / bf16 |")
+    print("|" + "---|" * 9)
+    tot = {"bf16": 0.0, "fp8": 0.0, "gemm": 0.0}
+    for name, k, n, count in FP8_LINEARS:
+        x = torch.randn(N, k, device="cuda", dtype=dt, requires_grad=True)
+        w = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).requires_grad_()
+        b = torch.zeros(n, device="cuda", dtype=dt, requires_grad=True)
+        dy = torch.randn(N, n, device="cuda", dtype=dt)
+        state = torch.zeros(3, F8.WIDTH, device="cuda")
+        base = F8.mode_of(True, "e5m2")
+        ops.linear(x, w, b, fp8=F8.Fp8Use(base + 2, state, 0)).backward(dy)  # calibrate: current scaling
+        F8.fp8_roll(state, F8.E5M2)
+        use = F8.Fp8Use(base, state, 0)
+        t_bf = sum(t for _, t in kernel_events(fwd_bwd(lambda: ops.linear(x, w, b), [x, w, b], [dy])))
+        ev = kernel_events(fwd_bwd(lambda: ops.linear(x, w, b, fp8=use), [x, w, b], [dy]))
+        t_f8 = sum(t for _, t in ev)
+        t_q = sum(t for nm, t in ev if any(q in nm for q in QUANT_KERNELS))
+        tot["bf16"] += count * t_bf
+        tot["fp8"] += count * t_f8
+        tot["gemm"] += count * (t_f8 - t_q)
+        print(f"| {name} | {k} -> {n} | {count} | {t_bf * 1e3:.3f} | {t_f8 * 1e3:.3f} | {(t_f8 - t_q) * 1e3:.3f} | "
+              f"{t_q * 1e3:.3f} | {t_bf / t_f8:.2f}x | {t_bf / (t_f8 - t_q):.2f}x |", flush=True)
+    print(f"| all, one update | | | {tot['bf16'] * 1e3:.2f} | {tot['fp8'] * 1e3:.2f} | {tot['gemm'] * 1e3:.2f} | "
+          f"{(tot['fp8'] - tot['gemm']) * 1e3:.2f} | {tot['bf16'] / tot['fp8']:.2f}x | "
+          f"{tot['bf16'] / tot['gemm']:.2f}x |")
+    print(f"\nper update: FP8 saves {(tot['bf16'] - tot['fp8']) * 1e3:.2f} ms of linear-layer GPU time; with free "
+          f"quantisation it would save {(tot['bf16'] - tot['gemm']) * 1e3:.2f} ms.")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 4096])
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
     ap.add_argument("--adam-numel", type=int, default=100_000_000)
+    ap.add_argument("--fp8", action="store_true", help="time the FP8 linear layers against bf16 instead")
     args = ap.parse_args()
+    if args.fp8:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+        for N in args.tokens:
+            fp8_report(N)
+        return
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  dtype {args.dtype}")
     print(f"kernel path: {_dispatch.explain('layer_norm')}")

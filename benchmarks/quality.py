@@ -62,8 +62,8 @@ def train_flags(kind, prec, args, bin_dir, save_dir):
              "--lr", str(args.lr), "--warmup-updates", str(args.warmup), *SCHEDULES[args.schedule](args),
              "--adam-betas", "(0.9, 0.98)", "--label-smoothing", "0.1", "--seed", "1",
              "--max-tokens", str(args.max_tokens), "--max-update", str(args.max_update), "--clip-norm", str(args.clip_norm),
-             "--validate-interval-updates", str(args.validate_every), "--save-interval-updates",
-             str(args.validate_every), "--keep-interval-updates", "1", "--no-epoch-checkpoints",
+             "--validate-interval-updates", str(args.validate_every), "--save-interval", "1000000",
+             "--no-epoch-checkpoints",  # one checkpoint, at the end (the BLEU run reads it)
              "--save-dir", save_dir, "--log-format", "simple", "--log-interval", "100", "--num-workers", "2"]
     flags += ["--optimizer", "ls_adam", "--criterion", "ls_label_smoothed_cross_entropy"] if ls else \
         ["--optimizer", "adam", "--criterion", "label_smoothed_cross_entropy"]

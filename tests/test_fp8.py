@@ -215,7 +215,7 @@ def _tiny(**kw):
 
 
 def test_model_flags_set_every_projection_and_only_train_uses_fp8():
-    d, model = _tiny(fp8=True, fp8_grad_format="e4m3")
+    d, model = _tiny(fp8=True, fp8_grad_format="e4m3", fp8_projections="all")
     refs = {m: m.fp8 for m in model.modules() if hasattr(m, "fp8")}
     assert all(isinstance(r, fp8.Fp8Ref) for r in refs.values())
     assert {"EncoderLayer", "DecoderLayer", "SelfAttention", "CrossAttention", "BatchedCrossKV"} <= {
@@ -285,3 +285,39 @@ def test_lightseq_train_refuses_fp8_on_cpu_before_training():
 
 def test_unavailable_reasons():
     assert "on cpu" in fp8.fp8_unavailable_reason(torch.device("cpu"), torch.bfloat16)
+
+
+def test_auto_projections_take_fp8_where_it_pays():
+    from ls_fairseq.fairseq_ext.fp8_mode import attach_fp8, fp8_pays
+    from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+
+    # transformer-big's shapes: QKV, FFN and the batched K/V pay, the square 1024 -> 1024 projections do not
+    assert fp8_pays(torch.empty(3072, 1024)) and fp8_pays(torch.empty(4096, 1024))
+    assert fp8_pays(torch.empty(1024, 4096)) and fp8_pays(torch.empty(12288, 1024))
+    assert not fp8_pays(torch.empty(1024, 1024)) and not fp8_pays(torch.empty(2048, 512))
+    enc, dec, kv = EncoderLayer(1024, 4096, 16), DecoderLayer(1024, 4096, 16), BatchedCrossKV(1024, 16, 1)
+    state = attach_fp8([enc, kv, dec], fp8.E5M2)
+    assert state.linears == 4 + 1 + 6 and state.in_fp8 == 3 + 1 + 3
+    assert enc.fp8.skip == 0b10 and enc.self_attn.fp8.skip == 0b10
+    assert dec.fp8.skip == 0b110010 and dec.encoder_attn.fp8 == fp8.Fp8Ref(state, dec.fp8.slot + 4, 0b11)
+    assert kv.fp8.skip == 0
+    state.begin_forward(torch.device("cpu"))
+    for m in (enc, dec, kv):
+        m.train()
+    assert fp8.fp8_now(enc.self_attn, 0).slot == enc.fp8.slot and fp8.fp8_now(enc.self_attn, 1) is None
+    assert fp8.fp8_now(dec, 2).slot == dec.fp8.slot + 2 and fp8.fp8_now(dec.encoder_attn, 0) is None
+    # the C++ layer call gets the skip bits above the mode (csrc/torch/ops.h Fp8Args)
+    mode, st, slot = fp8.layer_fp8_args(dec)
+    assert mode == 3 + fp8.E5M2 + (0b110010 << fp8.SKIP_SHIFT) and st is state.tensor and slot == dec.fp8.slot
+    dec.eval()
+    assert fp8.layer_fp8_args(dec) == (0, None, 0)
+    # a model too small to gain: no state at all, and the user is told
+    assert attach_fp8([EncoderLayer(256, 1024, 4)], fp8.E5M2) is None
+
+
+def test_small_model_with_fp8_warns_and_trains_in_its_own_precision(caplog):
+    with caplog.at_level("WARNING"):
+        _, model = _tiny(fp8=True)
+    assert model.encoder.fp8_state is None and all(m.fp8 is None for m in model.modules() if hasattr(m, "fp8"))
+    assert "no projection of this model is large enough" in caplog.text and "--fp8-projections all" in caplog.text

@@ -170,6 +170,8 @@ LayerArgs layer_args(int64_t num_heads, const Dropouts& p, bool pre, int64_t sho
                      int64_t memory) {
   LS_CHECK(memory >= 0 && memory <= (kInvertibleLayerNorm | kRecomputeActivation),
            "transformer layer: unknown memory mode bits ", memory);
+  LS_CHECK(fp8.mode >= 0 && (fp8.mode & 15) <= 4 && (fp8.mode >> Fp8Args::kFp8SkipShift) < 64,
+           "transformer layer: fp8 mode must be 0 to 4 plus skip bits 16 << k for projections k < 6, got ", fp8.mode);
   return {num_heads, p, pre, short_len, fp8, (memory & kInvertibleLayerNorm) != 0,
           (memory & kRecomputeActivation) != 0};
 }

@@ -80,10 +80,16 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
 
 // fp8.cpp: FP8 linear layers with delayed per-tensor scaling (the state and mode are described there).
 struct Fp8Args {
-  int64_t mode = 0;  // 0 off; 1 + gradient format (+ 2: current scaling)
+  // 0 off; 1 + gradient format (+ 2: current scaling). A layer's mode also has bit kFp8SkipShift + k set for
+  // each of its projections k that stays in the model's precision.
+  int64_t mode = 0;
   OptTensor state;   // float32 [3 * linears, kFp8Width]
   int64_t slot = 0;  // this linear's index in the state
-  Fp8Args at(int64_t k) const { return {mode, state, slot + k}; }
+  static constexpr int64_t kFp8SkipShift = 4;
+  Fp8Args at(int64_t k) const {
+    const bool skip = (mode >> (kFp8SkipShift + k)) & 1;
+    return {skip ? 0 : mode & ((int64_t{1} << kFp8SkipShift) - 1), state, slot + k};
+  }
 };
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,
                                  bool rowwise, bool transposed);

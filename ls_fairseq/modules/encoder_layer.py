@@ -13,7 +13,7 @@ from ls_fairseq.modules.attention import SelfAttention
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.ops._checks import check_activation, check_dropout
 from ls_fairseq.ops._dispatch import cpp_layers
-from ls_fairseq.ops.fp8 import cpp_fp8_args, fp8_now
+from ls_fairseq.ops.fp8 import fp8_now, layer_fp8_args
 from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
 
 _attention_ops = importlib.import_module("ls_fairseq.ops.attention")  # the module; ops.attention is the op
@@ -67,7 +67,7 @@ class EncoderLayer(nn.Module):
     def cpp_args(self):
         """The C++ layer call's arguments after its inputs and masks (csrc/torch/layers.cpp)."""
         return (self.cpp_weights(), self.cpp_eps(), self.self_attn.num_heads, *self.cpp_dropouts(), self.activation,
-                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, *cpp_fp8_args(fp8_now(self)),
+                self.normalize_before, _attention_ops.SHORT_ATTENTION_LEN, *layer_fp8_args(self),
                 self.memory_bits())
 
     def memory_bits(self) -> int:

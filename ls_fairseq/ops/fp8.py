@@ -67,8 +67,9 @@ class Fp8State:
     """The FP8 scaling state of a model's linear layers: 3 rows per linear, on the model's device, made at the
     first training forward (which then scales by current maxima) and rolled at every later one."""
 
-    def __init__(self, linears: int, grad_format: int):
+    def __init__(self, linears: int, grad_format: int, in_fp8: Optional[int] = None):
         self.linears = linears
+        self.in_fp8 = linears if in_fp8 is None else in_fp8  # how many of the linears use their slot
         self.grad_format = grad_format
         self.tensor: Optional[torch.Tensor] = None
         self.current = True
@@ -88,23 +89,37 @@ class Fp8State:
 
 
 class Fp8Ref(NamedTuple):
-    """A module's place in its model's FP8 state: its first slot."""
+    """A module's place in its model's FP8 state: its first slot, and which of its projections stay in the
+    model's precision (bit k of ``skip`` for projection k: their slots are kept but unused)."""
     state: Fp8State
     slot: int
+    skip: int = 0
+
+
+SKIP_SHIFT = 4  # a C++ layer call's fp8 mode carries the skip bits from this bit on (csrc/torch/ops.h Fp8Args)
 
 
 def fp8_now(module, k: int = 0) -> Optional[Fp8Use]:
     """What ``module``'s k-th projection passes as ``fp8`` now: its slot while it trains with FP8, None otherwise
-    (evaluation runs in the model's own precision)."""
+    (evaluation runs in the model's own precision, and so do skipped projections)."""
     ref = getattr(module, "fp8", None)
-    if ref is None or not module.training:
+    if ref is None or not module.training or (ref.skip >> k) & 1:
         return None
     return ref.state.use(ref.slot + k)
 
 
 def cpp_fp8_args(use: Optional[Fp8Use]):
-    """(mode, state, slot) as the C++ layer calls take them."""
+    """(mode, state, slot) as the C++ linear calls take them."""
     return (0, None, 0) if use is None else (use.mode, use.state, use.slot)
+
+
+def layer_fp8_args(module):
+    """(mode, state, slot) of a C++ layer call (csrc/torch/layers.cpp): the mode carries the skip bits."""
+    ref = getattr(module, "fp8", None)
+    if ref is None or not module.training:
+        return (0, None, 0)
+    use = ref.state.use(ref.slot)
+    return (use.mode | (ref.skip << SKIP_SHIFT), use.state, use.slot)
 
 
 def shapes_ok(weight: torch.Tensor) -> bool:

@@ -184,7 +184,7 @@ def test_fp8_linear_errors():
         mod.fp8_quantize(torch.randn(4, 20, device="cuda"), st, 0, 0, True)
 
 
-def _layers(grad_format, dtype=torch.bfloat16, seed=0):
+def _layers(grad_format, dtype=torch.bfloat16, seed=0, select=lambda w: True):
     from ls_fairseq.fairseq_ext.fp8_mode import attach_fp8
     from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
     from ls_fairseq.modules.encoder_layer import EncoderLayer
@@ -193,7 +193,7 @@ def _layers(grad_format, dtype=torch.bfloat16, seed=0):
     enc = EncoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
     dec = DecoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
     kv = BatchedCrossKV(256, 4, 1).cuda().to(dtype)
-    state = attach_fp8([enc, kv, dec], grad_format) if grad_format is not None else None
+    state = attach_fp8([enc, kv, dec], grad_format, select) if grad_format is not None else None
     return enc, dec, kv, state
 
 
@@ -246,15 +246,55 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, monkeypatch
     assert state.tensor is None
 
 
+def test_skipped_projections_stay_bf16_in_cpp_and_python_layers(monkeypatch):
+    """--fp8-projections auto leaves some projections of a layer in bf16: the C++ layer call honours the skip
+    bits exactly as the Python layers do, and the skipped slots stay unused."""
+    from ls_fairseq.ops import _dispatch
+
+    x = torch.randn(4, 21, 256, device="cuda", dtype=torch.bfloat16)
+    src = torch.randn(4, 19, 256, device="cuda", dtype=torch.bfloat16)
+    square = lambda w: w.shape[0] != w.shape[1]  # noqa: E731  (skips the attention output and cross query/output)
+
+    def run(cpp, select):
+        monkeypatch.setattr(_dispatch, "_CPP_LAYERS", cpp)
+        enc, dec, kv, state = _layers(fp8.E5M2, select=select)
+        for _ in range(2):
+            state.begin_forward(x.device)
+            for m in (enc, dec, kv):
+                m.zero_grad()
+            xi, si = x.clone().requires_grad_(), src.clone().requires_grad_()
+            k, v = kv(enc(si))
+            out = dec(xi, k, v)
+            out.float().square().mean().backward()
+        return out.detach(), xi.grad, si.grad, [p.grad for m in (enc, dec, kv) for p in m.parameters()], state, enc, dec
+
+    got, py, every = run(True, square), run(False, square), run(True, lambda w: True)
+    assert torch.equal(got[0], py[0]) and torch.equal(got[1], py[1]) and torch.equal(got[2], py[2])
+    assert all(torch.equal(a, b) for a, b in zip(got[3], py[3]))
+    assert torch.equal(got[4].tensor, py[4].tensor)
+    assert not torch.equal(got[0], every[0])  # the skip bits changed what ran
+    st, enc, dec = got[4].tensor, got[5], got[6]
+    unused = [enc.fp8.slot + 1, dec.fp8.slot + 1, dec.fp8.slot + 4, dec.fp8.slot + 5]
+    used = [enc.fp8.slot, enc.fp8.slot + 2, enc.fp8.slot + 3, dec.fp8.slot, dec.fp8.slot + 2, dec.fp8.slot + 3]
+    for s in unused:  # no maximum ever recorded (the roll still sets their scales to 1)
+        assert not st[3 * s:3 * s + 3, fp8.AMAX:].any(), s
+    for s in used:
+        assert (st[3 * s:3 * s + 3, fp8.HIST] > 0).all(), s
+    with pytest.raises(RuntimeError, match="fp8 mode must be 0 to 4"):
+        _mod().encoder_layer_fwd(x, None, enc.cpp_weights(), enc.cpp_eps(), 4, 0.0, 0.0, 0.0, "relu", False, 0,
+                              2 + (64 << fp8.SKIP_SHIFT), st, 0, 0)
+
+
 def test_lightseq_train_fp8_with_graph_step(corpus, tmp_path):
     from tests._models import SMALL_LS_TRAIN, train_inner_records
 
     cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, *SMALL_LS_TRAIN, "--max-tokens", "2048", "--max-update", "150", "--seed", "1",
            "--log-format", "json", "--log-interval", "1", "--num-workers", "1", "--save-dir", str(tmp_path / "ck"),
-           "--ls-graph-buckets", "12", "--bf16", "--fp8"]
+           "--ls-graph-buckets", "12", "--bf16", "--fp8", "--fp8-projections", "all"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-5000:]
+    assert "--fp8: 21 of 21 projections run as FP8 GEMMs" in out, out[-3000:]
     assert re.search(r"CUDA-graph step: [1-9]\d* micro-batches from [1-9]\d* captured buckets", out), out[-3000:]
     losses = [float(r["loss"]) for _, r in sorted(train_inner_records(out).items())]
     assert len(losses) >= 100 and all(l == l for l in losses)

@@ -307,7 +307,7 @@ def test_linear_cross_entropy_peak_holds_no_logits():
 
 
 # ---------------------------------------------------------------- lightseq-train with every mode
-@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16", "--fp8"]], ids=["fp16", "bf16_fp8"])
+@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16", "--fp8", "--fp8-projections", "all"]], ids=["fp16", "bf16_fp8"])
 def test_lightseq_train_with_all_modes_and_graph_step(corpus, tmp_path, precision):
     """All three modes with the CUDA-graph step (and FP8): the same loss curve as without them, within the noise
     of their different rounding (dropout 0, so the curves are comparable step by step)."""
