@@ -48,9 +48,8 @@ def cuda_time(fn, warmup=5, reps=25):
     return statistics.median(times)
 
 
-def kernel_time(fn, iters=5):
-    """GPU time of one call: the summed duration of the kernels (and memsets/copies) it runs, from the
-    profiler, i.e. without the host-side launch overhead that dominates ops of ~10 us."""
+def kernel_events(fn, iters=5):
+    """(name, GPU seconds per call) of each kernel (and memset/copy) fn runs, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -60,11 +59,14 @@ def kernel_time(fn, iters=5):
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = 0.0
-    for e in prof.events():
-        if str(e.device_type).endswith("CUDA"):
-            total_us += e.time_range.end - e.time_range.start
-    return total_us * 1e-6 / iters
+    return [(e.name, (e.time_range.end - e.time_range.start) * 1e-6 / iters)
+            for e in prof.events() if str(e.device_type).endswith("CUDA")]
+
+
+def kernel_time(fn, iters=5):
+    """GPU time of one call: the summed duration of the kernels it runs, i.e. without the host-side launch
+    overhead that dominates ops of ~10 us."""
+    return sum(t for _, t in kernel_events(fn, iters))
 
 
 def copy_bandwidth():
@@ -189,21 +191,6 @@ def sdpa_report(dt):
                     or "flash" in e.key.lower() or "cudnn" in e.key.lower()})
     lines.append("  default picks kernels: " + "; ".join(n[:90] for n in names[:6]))
     return lines
-
-
-def kernel_events(fn, iters=5):
-    """(name, GPU seconds per call) of each kernel fn runs, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return [(e.name, (e.time_range.end - e.time_range.start) * 1e-6 / iters)
-            for e in prof.events() if str(e.device_type).endswith("CUDA")]
 
 
 # transformer-big's projections: (name, in, out, uses per update with the encoder and decoder at N tokens each)

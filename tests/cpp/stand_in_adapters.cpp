@@ -75,16 +75,19 @@ std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, cons
   return {dx, db};
 }
 // The FP8 linear node needs CUDA (csrc/torch/fp8.cpp): here only the plain linear node is reachable.
-Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t fp8) {
-  LS_CHECK(fp8 == 0, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8) {
+  LS_CHECK(fp8.mode == 0, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return ag_linear(x, weight, bias);
 }
 bool fp8_linear_shapes_ok(const Tensor& weight) { return false; }
-std::vector<Tensor> fp8_linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias) {
+std::vector<Tensor> fp8_linear_forward_keep_w(const Tensor& x2, const Tensor& weight, int64_t mode,
+                                              const OptTensor& state, int64_t slot) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
-Tensor fp8_linear_input_grad(const Tensor& g2, const Tensor& wq, const Tensor& sw, int64_t grad_format) {
+std::vector<Tensor> fp8_linear_backward_from_x(const Tensor& g2, const Tensor& x2, const Tensor& wq_t,
+                                               const Tensor& sx, const Tensor& sw, int64_t mode,
+                                               const OptTensor& state, int64_t slot, bool need_dw) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
