@@ -5,7 +5,8 @@
 #   STEPS="build tests" bash benchmarks/gpu_session.sh  # a subset: build tests ops attention train
 #
 # Knobs: OUT (logs, default ./gpu_session_logs), DATA (training corpus, made by make_wmt_synth.py when absent),
-# MAX_TOKENS (default 4096,8192), KINDS (default native,ls_eager,ls), EPOCHS (default 2).
+# MAX_TOKENS (default 4096,8192), KINDS (default native,ls_eager,ls), EPOCHS (default 2), TESTS (pytest's
+# arguments for the tests step, default tests/gpu; e.g. TESTS="tests/gpu -k 'not multi_gpu'" to split the suite).
 # The last lines of each step's log are printed; whole logs stay under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ if step build; then
   python -m ls_fairseq.info | tee "$OUT/info.log" | sed -n '1,8p'
 fi
 if step tests; then
-  python -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  eval "python -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/gpu}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 fi
 if step ops; then
   python benchmarks/bench_ops.py --tokens 8192 4096 2>&1 | tee "$OUT/bench_ops.log" | tail -25
