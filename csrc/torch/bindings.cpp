@@ -4,6 +4,7 @@
 
 #include "torch/adapter.h"
 #include "torch/grad_buckets.h"
+#include "torch/node_bindings.h"
 #include "torch/ops.h"
 
 namespace py = pybind11;
@@ -76,45 +77,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_norm", guarded(&grad_norm), "L2 norm of a flat buffer, or of ranges of it (fp32 scalar tensor)",
         py::arg("grad"), py::arg("ranges") = std::vector<int64_t>{});
 
-  // autograd nodes in C++ (autograd.cpp)
-  m.def("ag_layer_norm", guarded(&ag_layer_norm), "differentiable layer norm (+ residual): [y] or [y, x + residual]",
-        py::arg("x"), py::arg("residual") = none, py::arg("weight"), py::arg("bias"), py::arg("eps"),
-        py::arg("invertible") = false);
-  m.def("ag_pre_layer_norm", guarded(&ag_pre_layer_norm), "differentiable pre-LN entry: [layer_norm(x), x]",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("invertible") = false);
-  m.def("ag_bias_dropout_residual", guarded(&ag_bias_dropout_residual),
-        "differentiable residual + dropout(x + bias): [out, mask]", py::arg("x"), py::arg("bias") = none,
-        py::arg("residual"), py::arg("p"));
-  m.def("ag_bias_act_dropout", guarded(&ag_bias_act_dropout), "differentiable dropout(act(x + bias)): [out, mask]",
-        py::arg("x"), py::arg("bias") = none, py::arg("activation"), py::arg("p"));
-  m.def("ag_split_heads", guarded(&ag_split_heads), "differentiable [B,T,n*C] (+bias) -> n x [B,H,T,D] (n <= 3)",
-        py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
-  m.def("ag_linear", guarded(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = none);
+  // autograd nodes and whole layers in C++ (autograd.cpp, layers.cpp)
+  bind_nodes_and_layers(m, [](auto f) { return guarded(f); });
+
+  // FP8 (fp8.cpp, fp8.cu)
   m.def("fp8_quantize", guarded(&fp8_quantize),
         "FP8 codes of a 2-d tensor under one row of an FP8 state: [row-major codes, transposed codes] (fp8.cpp)",
         py::arg("x"), py::arg("state"), py::arg("row"), py::arg("format"), py::arg("current"), py::arg("rowwise") = true,
         py::arg("transposed") = false);
   m.def("fp8_roll", guarded(&fp8_roll), "each FP8 state row's amax into its history, and its next scale (fp8.cu)",
         py::arg("state"), py::arg("grad_format"));
-  m.def("ag_bias_act_linear", guarded(&ag_bias_act_linear),
-        "differentiable dropout(act(x + bias)) W^T recomputing the activation in the backward: [y, mask] "
-        "(autograd.cpp)", py::arg("x"), py::arg("bias") = none, py::arg("weight"), py::arg("activation"),
-        py::arg("p"), py::arg("fp8") = 0, py::arg("fp8_state") = none, py::arg("fp8_slot") = 0);
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = none, py::arg("mode"), py::arg("state"), py::arg("slot"));
-  m.def("encoder_layer_fwd", guarded(&encoder_layer_fwd),
-        "an encoder layer's forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"),
-        py::arg("num_heads"), py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0,
-        py::arg("fp8_state") = none, py::arg("fp8_slot") = 0,
-        py::arg("memory") = 0);
-  m.def("decoder_layer_fwd", guarded(&decoder_layer_fwd),
-        "a decoder layer's full-sequence forward over the nodes above, in one call (layers.cpp)", py::arg("x"), py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
-        py::arg("self_attn_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
-        py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
-        py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0,
-        py::arg("fp8_state") = none, py::arg("fp8_slot") = 0,
-        py::arg("memory") = 0);
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }
