@@ -140,6 +140,21 @@ inline uint32_t dropout_threshold(float p) {
   return static_cast<uint32_t>(t);
 }
 
+// ---------------------------------------------------------------- activations (fp32)
+__device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu_grad_f(float x) {
+  const float cdf = 0.5f * (1.f + erff(x * 0.70710678118654752f));
+  const float pdf = 0.39894228040143268f * __expf(-0.5f * x * x);
+  return cdf + x * pdf;
+}
+
+template <Act A>
+__device__ __forceinline__ float act_f(float x) {
+  if constexpr (A == Act::Relu) return fmaxf(x, 0.f);
+  else if constexpr (A == Act::Gelu) return gelu_f(x);
+  else return x;
+}
+
 // ---------------------------------------------------------------- misc
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 

@@ -7,24 +7,11 @@
 // keep decisions are written as a bitmask (1 bit per element), which the backward reads.
 // Backward: dx = dy * act'(x + b) * keep / (1 - p) in fp32, rounded once; the bias gradient is
 // the fp32 column sum of the fp32 dx values (before rounding), deterministic (colsum.cuh).
-// Relu's backward needs no mask and no input: act' * keep == (out > 0).
+// Relu's backward needs no mask and no input when it has the output: act' * keep == (out > 0); without the output
+// it takes act' from the input and keep from the mask (what the FP8 FFN keeps: it writes no bf16 output).
 #include "kernels/colsum.cuh"
 
 namespace ls {
-
-__device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_grad_f(float x) {
-  const float cdf = 0.5f * (1.f + erff(x * 0.70710678118654752f));
-  const float pdf = 0.39894228040143268f * __expf(-0.5f * x * x);
-  return cdf + x * pdf;
-}
-
-template <Act A>
-__device__ __forceinline__ float act_f(float x) {
-  if constexpr (A == Act::Relu) return fmaxf(x, 0.f);
-  else if constexpr (A == Act::Gelu) return gelu_f(x);
-  else return x;
-}
 
 // ================================================================ forward kernel
 // out = [residual +] dropout(act(x + bias)) over n elements, bias period C.
@@ -110,13 +97,13 @@ struct ActDropoutBwdOp {
     const int64_t i0 = r * C + c0;
     float g[8];
     if (VEC) load8(dy + i0, g); else load_n(dy + i0, n, g);
-    if constexpr (A == Act::Relu) {
+    if (A == Act::Relu && out != nullptr) {  // relu' * keep == (out > 0)
       float o[8];
       if (VEC) load8(out + i0, o); else load_n(out + i0, n, o);
 #pragma unroll
       for (int k = 0; k < 8; ++k) g[k] = o[k] > 0.f ? g[k] * scale : 0.f;
     } else {
-      if constexpr (A == Act::Gelu) {
+      if constexpr (A != Act::None) {
         float xv[8], b[8];
         if (VEC) load8(x + i0, xv); else load_n(x + i0, n, xv);
         if (bias != nullptr) {
@@ -125,7 +112,10 @@ struct ActDropoutBwdOp {
           for (int k = 0; k < 8; ++k) xv[k] += b[k];
         }
 #pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] *= gelu_grad_f(xv[k]);
+        for (int k = 0; k < 8; ++k) {
+          if constexpr (A == Act::Gelu) g[k] *= gelu_grad_f(xv[k]);
+          else g[k] = xv[k] > 0.f ? g[k] : 0.f;  // relu from its input (no output kept)
+        }
       }
       if (mask != nullptr) {
         uint32_t bits;

@@ -22,6 +22,9 @@
 // NaN to the row's 1/s, so the GEMM's output is NaN. Either way an fp16 overflow reaches the optimizer's check.
 // ls_fairseq/ops/fp8.py holds the same rules in plain PyTorch (the reference the tests compare with).
 //
+// The same cast also takes its values straight from dropout(act(x + bias)) (fp8_bias_act_dropout): the FP8 FFN's
+// activation is never written in its own precision, only as codes.
+//
 // The cast works on 64 x 64 tiles: 256 threads each convert 16 consecutive elements of a row and store them as one
 // 16-byte word of the row-major codes; the transposed codes (what the weight-gradient GEMM reads) go through shared
 // memory and leave as 16-byte words of the transposed rows.
@@ -84,9 +87,71 @@ __device__ __forceinline__ uint16_t to_fp8x2(float a, float b, Fp8Format fmt) {
   return (uint16_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind);
 }
 
+// Where the cast reads its values: load16(i, j, v) gives the 16 elements j .. j + 15 of row i of the [M, K] tensor to
+// quantise, as fp32 values of the storage type T.
 template <typename T>
-__global__ void cast_kernel(const T* __restrict__ x, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt,
-                            bool current, uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp) {
+struct PlainSource {
+  const T* x;
+  int64_t K;
+  __device__ __forceinline__ void begin() {}
+  __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16]) {
+    load8(x + i * K + j, *reinterpret_cast<float(*)[8]>(v));
+    load8(x + i * K + j + 8, *reinterpret_cast<float(*)[8]>(v + 8));
+  }
+};
+
+// a = dropout(act(x + bias)) as bias_act_dropout_fwd computes and stores it (dropout.cu: fp32 arithmetic, the keep
+// bits of 8-element group g from Philox(g), the result rounded to T), never written out: DRAW draws the keep bits
+// and writes them to mask (the forward), otherwise they are read from mask (the backward's replay); mask ==
+// nullptr: no dropout.
+template <typename T, Act A, bool DRAW>
+struct ActDropoutSource {
+  const T* x;
+  const T* bias;
+  uint8_t* mask;
+  int64_t K;
+  float p;
+  uint32_t threshold;
+  PhiloxArgs rng;
+  uint64_t seed = 0, offset = 0;
+  __device__ __forceinline__ void begin() {
+    if (DRAW && mask != nullptr) philox_unpack(rng, seed, offset);
+  }
+  __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16]) {
+    const float scale = 1.f / (1.f - p);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* w = v + 8 * h;
+      const int64_t e = i * K + j + 8 * h;
+      load8(x + e, *reinterpret_cast<float(*)[8]>(w));
+      if (bias != nullptr) {
+        float b[8];
+        load8(bias + j + 8 * h, b);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) w[k] += b[k];
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w[k] = act_f<A>(w[k]);
+      if (mask != nullptr) {
+        uint32_t bits;
+        if (DRAW) {
+          bits = dropout_bits((uint64_t)(e >> 3), seed, offset, threshold);
+          mask[e >> 3] = (uint8_t)bits;
+        } else {
+          bits = mask[e >> 3];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) w[k] = ((bits >> k) & 1u) ? w[k] * scale : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w[k] = to_f(from_f<T>(w[k]));
+    }
+  }
+};
+
+template <typename Source>
+__global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt, bool current,
+                            uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp) {
   __shared__ __align__(16) uint8_t tile_t[kTile * kTileStride];
   const float s = current ? scale_from_bits(__float_as_uint(row[kFp8Amax]), fmt) : row[kFp8Scale];
   if (current && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -96,13 +161,13 @@ __global__ void cast_kernel(const T* __restrict__ x, int64_t M, int64_t K, float
   const int64_t tiles_m = (Mp + kTile - 1) / kTile, tiles_k = (K + kTile - 1) / kTile;
   const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;  // this thread's row and first column in a tile
   unsigned m = 0u;
+  src.begin();
   for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x) {
     const int64_t m0 = (t / tiles_k) * kTile, k0 = (t % tiles_k) * kTile;
     const int64_t i = m0 + r, j = k0 + c;
     float v[16];
     if (i < M && j < K) {  // K is a multiple of 16: a row's 16 columns are all in or all out
-      load8(x + i * K + j, *reinterpret_cast<float(*)[8]>(v));
-      load8(x + i * K + j + 8, *reinterpret_cast<float(*)[8]>(v + 8));
+      src.load16(i, j, v);
     } else {
 #pragma unroll
       for (int k = 0; k < 16; ++k) v[k] = 0.f;
@@ -175,10 +240,46 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
     check_launch("fp8_amax", stream);
   }
   const int64_t tiles = ((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile);
-  LS_DISPATCH(dt, T, cast_kernel<T><<<blocks_for(tiles, 1), kThreads, 0, stream>>>(
-                         static_cast<const T*>(x), M, K, row, fmt, current, static_cast<uint8_t*>(out),
-                         static_cast<uint8_t*>(out_t), Mp));
+  LS_DISPATCH(dt, T, cast_kernel<<<blocks_for(tiles, 1), kThreads, 0, stream>>>(
+                         PlainSource<T>{static_cast<const T*>(x), K}, M, K, row, fmt, current,
+                         static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp));
   check_launch("fp8_cast", stream);
+}
+
+namespace {
+template <typename T, Act A, bool DRAW>
+void launch_act_cast(const void* x, const void* bias, uint8_t* mask, int64_t M, int64_t K, float p, PhiloxArgs rng,
+                     float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
+  const ActDropoutSource<T, A, DRAW> src{static_cast<const T*>(x), static_cast<const T*>(bias), mask, K, p,
+                                         dropout_threshold(p), rng};
+  const int64_t tiles = ((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile);
+  cast_kernel<<<blocks_for(tiles, 1), kThreads, 0, stream>>>(src, M, K, row, Fp8Format::E4M3, false,
+                                                              static_cast<uint8_t*>(out),
+                                                              static_cast<uint8_t*>(out_t), Mp);
+}
+
+template <typename T, bool DRAW>
+void launch_act_cast(Act act, const void* x, const void* bias, uint8_t* mask, int64_t M, int64_t K, float p,
+                     PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
+  if (act == Act::Relu)
+    launch_act_cast<T, Act::Relu, DRAW>(x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream);
+  else if (act == Act::Gelu)
+    launch_act_cast<T, Act::Gelu, DRAW>(x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream);
+  else
+    launch_act_cast<T, Act::None, DRAW>(x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream);
+}
+}  // namespace
+
+void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* mask, bool draw, int64_t M, int64_t K,
+                          float p, Act act, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp,
+                          cudaStream_t stream) {
+  if (M <= 0 || K <= 0) return;
+  if (draw) {
+    LS_DISPATCH(dt, T, launch_act_cast<T, true>(act, x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream));
+  } else {
+    LS_DISPATCH(dt, T, launch_act_cast<T, false>(act, x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream));
+  }
+  check_launch("fp8_bias_act_dropout", stream);
 }
 
 }  // namespace ls

@@ -177,42 +177,48 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
   }
 };
 
-// --ls-recompute-activation: y = dropout(act(x + b)) W^T as one node that does not keep the activation's
-// output a for the backward. The stored pair (BiasActDropoutNode, then LinearNode) keeps, for gelu, both the
+// y = dropout(act(x + b)) W^T as one node that does not keep the activation's output a for the backward.
+// --ls-recompute-activation: the stored pair (BiasActDropoutNode, then LinearNode) keeps, for gelu, both the
 // activation's input (for gelu') and a (for the weight gradient); this node keeps the input and the 1-bit mask and
 // computes a again in the backward (bias_act_dropout_replay: the forward's arithmetic and keep bits, so the same
 // values bit for bit). The GEMMs and the activation backward are the stored pair's own calls in the same order, so
 // every gradient equals the stored path's bit for bit, for one more elementwise pass over [tokens, ffn]. For relu
-// the stored pair keeps a alone already (relu' comes from a > 0): the layers use this node for gelu only.
+// the stored pair keeps a alone already (relu' comes from a > 0): the layers recompute for gelu only.
+// FP8: a exists only as its e4m3 codes, written by the activation's own pass (fp8_act_linear_forward); the
+// weight gradient reads their transposed copy, kept (keep_fp8_codes: the layers' FP8 FFN, relu or gelu) or made
+// again from x and the mask (recomputing). Relu's backward then takes relu' from x. The codes, and so every
+// gradient, equal those of the stored pair with the FP8 linear node.
 struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& weight,
                                const std::string& activation, double p, int64_t fp8, const OptTensor& fp8_state,
-                               int64_t fp8_slot) {
+                               int64_t fp8_slot, bool keep_fp8_codes) {
     Tensor xc = contig(x);
-    auto r = bias_act_dropout_fwd(xc, bias, activation, p);  // [a, mask]
-    Tensor a2 = r[0].reshape({-1, x.size(-1)});
-    const bool use_fp8 = fp8 > 0 && fp8_linear_shapes_ok(weight) && a2.numel() > 0;
-    Tensor y2, wq_t, sx, sw;
+    const bool use_fp8 = fp8 > 0 && fp8_linear_shapes_ok(weight) && xc.numel() > 0;
+    Tensor y2, mask, aq_t, wq_t, sx, sw;
     if (use_fp8) {
-      auto f = fp8_linear_forward_keep_w(a2, weight, fp8, fp8_state, fp8_slot);
-      y2 = f[0], wq_t = f[1], sx = f[2], sw = f[3];
+      auto f = fp8_act_linear_forward(xc.reshape({-1, x.size(-1)}), bias, weight, activation, p, fp8, fp8_state,
+                                      fp8_slot, keep_fp8_codes);
+      y2 = f[0], mask = f[1], aq_t = f[2], wq_t = f[3], sx = f[4], sw = f[5];
     } else {
-      y2 = at::mm(a2, weight.t());
+      auto r = bias_act_dropout_fwd(xc, bias, activation, p);  // [a, mask]
+      y2 = at::mm(r[0].reshape({-1, x.size(-1)}), weight.t());
+      mask = r[1];
     }
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({xc, or_undefined(bias), r[1], weight, wq_t, sx, sw, or_undefined(fp8_state)});
+    ctx->save_for_backward({xc, or_undefined(bias), mask, weight, wq_t, sx, sw, or_undefined(fp8_state), aq_t});
     ctx->saved_data["act"] = activation;
     ctx->saved_data["fp8"] = use_fp8 ? fp8 : int64_t(0);
     ctx->saved_data["slot"] = fp8_slot;
-    keep_dropout_info(ctx, p, bias, r[1]);
-    return {at::_unsafe_view(y2, sizes), r[1]};
+    keep_dropout_info(ctx, p, bias, mask);
+    return {at::_unsafe_view(y2, sizes), mask};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& g = grads[0];
-    if (!g.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    const variable_list none(9);
+    if (!g.defined()) return none;
     auto s = ctx->get_saved_variables();
     const Tensor &xc = s[0], &w = s[3];
     const OptTensor bias = opt(s[1]);
@@ -223,22 +229,29 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
     const bool need_db = bias_grad_needed(ctx);
     const bool need_dw = ctx->needs_input_grad(present(bias) ? 2 : 1);  // counts the tensors present
 
-    Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
-    Tensor a2 = a.reshape({-1, xc.size(-1)});
     Tensor g2 = contig(g.reshape({-1, w.size(0)}));
-    Tensor dw, da2;
+    Tensor x2 = xc.reshape({-1, xc.size(-1)});
+    std::vector<Tensor> r;
+    Tensor dw;
     if (fp8 > 0) {
-      auto d = fp8_linear_backward_from_x(g2, a2, s[4], s[5], s[6], fp8, opt(s[7]), ctx->saved_data["slot"].toInt(),
-                                          need_dw);
-      da2 = d[0], dw = d[1];
+      const OptTensor state = opt(s[7]);
+      const int64_t slot = ctx->saved_data["slot"].toInt();
+      Tensor aq_t = s[8];
+      if (!aq_t.defined() && need_dw) aq_t = fp8_act_codes_t(x2, bias, mask, act, p, fp8, state, slot);
+      auto d = fp8_linear_backward_codes(g2, aq_t, s[4], s[5], s[6], fp8, state, slot, need_dw);
+      dw = d[1];
+      r = bias_act_dropout_bwd(at::_unsafe_view(d[0], xc.sizes()), OptTensor(xc), bias, std::nullopt, mask, p, act,
+                               need_db);
     } else {
+      Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
+      Tensor a2 = a.reshape({-1, xc.size(-1)});
       dw = need_dw ? at::mm(g2.t(), a2) : Tensor();
-      da2 = at::mm(g2, w);
+      Tensor da2 = at::mm(g2, w);
+      const bool relu = act == "relu";
+      r = bias_act_dropout_bwd(at::_unsafe_view(da2, xc.sizes()), relu ? std::nullopt : OptTensor(xc), bias,
+                               relu ? OptTensor(a) : std::nullopt, mask, p, act, need_db);
     }
-    const bool relu = act == "relu";
-    auto r = bias_act_dropout_bwd(at::_unsafe_view(da2, xc.sizes()), relu ? std::nullopt : OptTensor(xc), bias,
-                                  relu ? OptTensor(a) : std::nullopt, mask, p, act, need_db);
-    return {r[0], bias_grad(ctx, r[1], need_db), dw, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return {r[0], bias_grad(ctx, r[1], need_db), dw, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -330,7 +343,7 @@ variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, 
 
 std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,
                                        const std::string& activation, double p, int64_t fp8,
-                                       const OptTensor& fp8_state, int64_t fp8_slot) {
+                                       const OptTensor& fp8_state, int64_t fp8_slot, bool keep_fp8_codes) {
   const char* op = "bias_act_linear";
   LS_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
            " does not match weight ", weight.sizes());
@@ -338,7 +351,7 @@ std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, c
            x.scalar_type(), " on ", x.device().str(), ") and weight (", weight.scalar_type(), " on ",
            weight.device().str(), ") differ");
   LS_CHECK(activation == "relu" || activation == "gelu", op, ": unsupported activation '", activation, "'");
-  return BiasActLinearNode::apply(x, bias, weight, activation, p, fp8, fp8_state, fp8_slot);
+  return BiasActLinearNode::apply(x, bias, weight, activation, p, fp8, fp8_state, fp8_slot, keep_fp8_codes);
 }
 
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {

@@ -103,7 +103,7 @@ Tensor bias_act_dropout_replay(const Tensor& x, const OptTensor& bias, const Opt
 }
 
 // -> (dx, dbias (empty unless need_dbias)). activation "none": dx = dy * keep / (1 - p);
-// "relu" needs `out` (the forward output); "gelu" needs x, bias and the mask.
+// "relu" needs `out` (the forward output), or x, bias and the mask; "gelu" needs x, bias and the mask.
 std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, const OptTensor& bias,
                                          const OptTensor& out, const OptTensor& mask, double p,
                                          const std::string& activation, bool need_dbias) {
@@ -123,9 +123,10 @@ std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, c
       LS_CHECK_DTYPE(op, **t, dy.scalar_type());
     }
   }
-  if (act == ls::Act::Relu) LS_CHECK(present(out), op, ": relu backward needs the forward output");
+  const bool relu_from_out = act == ls::Act::Relu && present(out);
+  if (act == ls::Act::Relu) LS_CHECK(present(out) || present(x), op, ": relu backward needs the forward output or input");
   if (act == ls::Act::Gelu) LS_CHECK(present(x), op, ": gelu backward needs the forward input");
-  if (drop && act != ls::Act::Relu) {
+  if (drop && !relu_from_out) {
     LS_CHECK(present(mask), op, ": dropout backward needs the mask");
     LS_CHECK_INPUT(op, *mask);
     LS_CHECK_DTYPE(op, *mask, at::kByte);
@@ -142,7 +143,7 @@ std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, c
   }
   Tensor ws = at::empty({need_dbias ? ls::colsum_workspace(rows, (int)C) : 0}, dy.options().dtype(at::kFloat));
   launch(op, [&] {
-    ls::bias_act_dropout_bwd(dt, dy.data_ptr(), ptr_or_null(x), ptr_or_null(b), ptr_or_null(out),
+    ls::bias_act_dropout_bwd(dt, dy.data_ptr(), ptr_or_null(x), ptr_or_null(b), relu_from_out || act != ls::Act::Relu ? ptr_or_null(out) : nullptr,
                              drop && present(mask) ? mask->data_ptr<uint8_t>() : nullptr, dx.data_ptr(),
                              need_dbias ? db.data_ptr() : nullptr, need_dbias ? ws.data_ptr<float>() : nullptr, rows,
                              checked_int(op, "C", C), drop ? (float)p : 0.f, act, stream());

@@ -153,22 +153,81 @@ struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
 
 bool fp8_linear_shapes_ok(const Tensor& weight) { return weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0; }
 
-std::vector<Tensor> fp8_linear_forward_keep_w(const Tensor& x2, const Tensor& weight, int64_t mode,
-                                              const OptTensor& state, int64_t slot) {
-  const Use u = use_of("fp8_linear", mode, state, slot, x2);
-  auto f = linear_forward(x2, weight, std::nullopt, u, false);
-  return {f[0], f[2], f[3], f[4]};  // y2, W's transposed codes, 1/s of x, 1/s of W
+namespace {
+
+ls::Act act_of(const char* op, const std::string& a) {
+  LS_CHECK(a == "relu" || a == "gelu" || a == "none", op, ": unknown activation '", a, "' (relu, gelu, none)");
+  return a == "relu" ? ls::Act::Relu : (a == "gelu" ? ls::Act::Gelu : ls::Act::None);
 }
 
-std::vector<Tensor> fp8_linear_backward_from_x(const Tensor& g2, const Tensor& x2, const Tensor& wq_t,
-                                               const Tensor& sx, const Tensor& sw, int64_t mode,
-                                               const OptTensor& state, int64_t slot, bool need_dw) {
+Tensor aligned(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();  // the kernel reads 16-byte words
+}
+
+// The codes of a = dropout(act(x2 + bias)) under the input row's (delayed) scale, from one pass over x2: row-major
+// codes (rowwise) and/or transposed codes; draw: the forward (the keep bits are drawn into mask), else the replay.
+std::pair<Tensor, Tensor> act_codes(const char* op, const Tensor& x2_in, const OptTensor& bias_in, Tensor& mask,
+                                    bool draw, const std::string& activation, double p, const Use& u, bool rowwise,
+                                    bool transposed) {
+  const ls::Act act = act_of(op, activation);
+  Tensor x2 = aligned(contig(x2_in));
+  const int64_t M = x2.size(0), K = x2.size(1), Mp = padded16(M);
+  OptTensor bias = channel_param(op, "bias", bias_in, x2, K);
+  if (present(bias)) bias = aligned(contig(*bias));
+  const bool drop = p > 0.0 && x2.numel() > 0;
+  ls::PhiloxArgs rng{};
+  if (draw) {
+    mask = at::empty({drop ? ls::mask_bytes(x2.numel()) : 0}, x2.options().dtype(at::kByte));
+    if (drop) rng = philox_args();
+  }
+  Tensor q = rowwise ? at::empty({M, K}, x2.options().dtype(at::kFloat8_e4m3fn)) : Tensor();
+  Tensor q_t = transposed ? at::empty({K, Mp}, x2.options().dtype(at::kFloat8_e4m3fn)) : Tensor();
+  c10::cuda::CUDAGuard guard(x2.device());
+  launch(op, [&] {
+    ls::fp8_bias_act_dropout(to_dtype(op, x2), x2.data_ptr(), ptr_or_null(bias),
+                             drop ? mask.data_ptr<uint8_t>() : nullptr, draw, M, K, drop ? (float)p : 0.f, act, rng,
+                             u.state.data_ptr<float>() + u.row(0) * ls::kFp8Width, rowwise ? q.data_ptr() : nullptr,
+                             transposed ? q_t.data_ptr() : nullptr, transposed ? Mp : M, stream());
+  });
+  return {q, q_t};
+}
+
+}  // namespace
+
+std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bias, const Tensor& weight,
+                                           const std::string& activation, double p, int64_t mode,
+                                           const OptTensor& state, int64_t slot, bool keep_codes) {
+  const char* op = "fp8_bias_act_linear";
+  const Use u = use_of(op, mode, state, slot, x2);
+  if (u.current) {  // the scale needs a's own maximum first: a in the input's precision, then its codes
+    auto r = bias_act_dropout_fwd(x2, bias, activation, p);
+    auto f = linear_forward(r[0], weight, std::nullopt, u, keep_codes);
+    return {f[0], r[1], f[1], f[2], f[3], f[4]};
+  }
+  Tensor mask;
+  auto [aq, aq_t] = act_codes(op, x2, bias, mask, true, activation, p, u, true, keep_codes);
+  auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, false, true, true);
+  Tensor sa = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
+  Tensor y2 = at::_scaled_mm(aq, wq.t(), sa, sw, std::nullopt, std::nullopt, x2.scalar_type(), true);
+  return {y2, mask, aq_t, wq_t, sa, sw};
+}
+
+Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor& mask, const std::string& activation,
+                       double p, int64_t mode, const OptTensor& state, int64_t slot) {
+  const char* op = "fp8_bias_act_linear backward";
+  const Use u = use_of(op, mode, state, slot, x2);
+  if (u.current)  // as the forward: a in the input's precision, quantised under the scale the forward set
+    return quantize(op, bias_act_dropout_replay(x2, bias, mask, activation, p), u.state, u.row(0),
+                    ls::Fp8Format::E4M3, true, false, true).second;
+  Tensor m = p > 0.0 && x2.numel() > 0 ? *mask : Tensor();
+  return act_codes(op, x2, bias, m, false, activation, p, u, false, true).second;
+}
+
+std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,
+                                              const Tensor& sx, const Tensor& sw, int64_t mode,
+                                              const OptTensor& state, int64_t slot, bool need_dw) {
   const Use u = use_of("fp8_linear backward", mode, state, slot, g2);
-  // the input's transposed codes again, from the recomputed input under the forward's scale (the same codes)
-  Tensor xq_t = need_dw ? quantize("fp8_linear backward", x2, u.state, u.row(0), ls::Fp8Format::E4M3, u.current,
-                                   false, true).second
-                        : Tensor();
-  auto [dx, dw] = linear_backward(g2, xq_t, wq_t, sx, sw, u, true, need_dw, x2.scalar_type());
+  auto [dx, dw] = linear_backward(g2, xq_t, wq_t, sx, sw, u, true, need_dw && xq_t.defined(), g2.scalar_type());
   return {dx, dw};
 }
 

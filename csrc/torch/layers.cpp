@@ -146,9 +146,10 @@ Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, cons
                  const LayerArgs& a) {
   auto [h, residual] = block_input(x, a, w[6], w[7], eps);
   h = ag_linear_mode(h, w[8], std::nullopt, a.fp8.at(2));
-  if (a.recompute && activation == "gelu") {
-    const Fp8Args f = a.fp8.at(3);
-    h = ag_bias_act_linear(h, w[9], w[10], activation, a.p.act, f.mode, f.state, f.slot)[0];
+  const Fp8Args f = a.fp8.at(3);
+  const bool recompute = a.recompute && activation == "gelu";
+  if (recompute || (f.mode > 0 && fp8_linear_shapes_ok(w[10]))) {  // FP8: the activation written only as codes
+    h = ag_bias_act_linear(h, w[9], w[10], activation, a.p.act, f.mode, f.state, f.slot, !recompute)[0];
   } else {
     h = ag_bias_act_dropout(h, w[9], activation, a.p.act)[0];
     h = ag_linear_mode(h, w[10], std::nullopt, a.fp8.at(3));

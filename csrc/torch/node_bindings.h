@@ -29,9 +29,10 @@ void bind_nodes_and_layers(pybind11::module_& m, Wrap wrap) {
   m.def("ag_linear", wrap(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = none);
   m.def("ag_bias_act_linear", wrap(&ag_bias_act_linear),
-        "differentiable dropout(act(x + bias)) W^T recomputing the activation in the backward: [y, mask] "
+        "differentiable dropout(act(x + bias)) W^T keeping the activation's input, not its output: [y, mask] "
         "(autograd.cpp)", py::arg("x"), py::arg("bias") = none, py::arg("weight"), py::arg("activation"),
-        py::arg("p"), py::arg("fp8") = 0, py::arg("fp8_state") = none, py::arg("fp8_slot") = 0);
+        py::arg("p"), py::arg("fp8") = 0, py::arg("fp8_state") = none, py::arg("fp8_slot") = 0,
+        py::arg("keep_fp8_codes") = false);
   m.def("encoder_layer_fwd", wrap(&encoder_layer_fwd),
         "an encoder layer's forward over the nodes above, in one call (layers.cpp)", py::arg("x"),
         py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),

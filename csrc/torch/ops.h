@@ -99,20 +99,27 @@ Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bia
 // fp8 off or a weight whose sizes are not multiples of 16: the plain linear node
 Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8);
 bool fp8_linear_shapes_ok(const Tensor& weight);
-// The FP8 linear's pieces for a node that recomputes its input in the backward (ag_bias_act_linear): the forward
-// over the 2-d input -> [y2, W's transposed codes, 1/s of x, 1/s of W], and [dx2, dW (or undefined)] from the
-// recomputed input.
-std::vector<Tensor> fp8_linear_forward_keep_w(const Tensor& x2, const Tensor& weight, int64_t mode,
-                                              const OptTensor& state, int64_t slot);
-std::vector<Tensor> fp8_linear_backward_from_x(const Tensor& g2, const Tensor& x2, const Tensor& wq_t,
-                                               const Tensor& sx, const Tensor& sw, int64_t mode,
-                                               const OptTensor& state, int64_t slot, bool need_dw);
+// The FP8 pieces of ag_bias_act_linear, over 2-d [tokens, F] inputs. Forward: y2 = [a] [W]^T with a =
+// dropout(act(x2 + bias)) written straight as e4m3 codes (under current scaling a is made and then quantised)
+// -> [y2, mask, a's transposed codes (keep_codes, else undefined), W's transposed codes, 1/s of a, 1/s of W].
+// fp8_act_codes_t: a's transposed codes again from x2, bias and the forward's mask, under the forward's scale.
+// fp8_linear_backward_codes: [dx2, dW (or undefined)] from the output gradient and those codes.
+std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bias, const Tensor& weight,
+                                           const std::string& activation, double p, int64_t mode,
+                                           const OptTensor& state, int64_t slot, bool keep_codes);
+Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor& mask, const std::string& activation,
+                       double p, int64_t mode, const OptTensor& state, int64_t slot);
+std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,
+                                              const Tensor& sx, const Tensor& sw, int64_t mode,
+                                              const OptTensor& state, int64_t slot, bool need_dw);
 
-// dropout(act(x + bias)) W^T as one node that keeps the activation's input, not its output, and
-// recomputes the output in the backward (--ls-recompute-activation) -> [y, mask]. fp8 as in ag_linear_mode.
+// dropout(act(x + bias)) W^T as one node that keeps the activation's input, not its output -> [y, mask]. fp8 as
+// in ag_linear_mode. Without FP8 (and with FP8 unless keep_fp8_codes) it recomputes the output in the backward
+// (--ls-recompute-activation); with FP8 the output exists only as codes, and keep_fp8_codes keeps their
+// transposed copy for the weight gradient instead of recomputing it (the FP8 FFN of the layers).
 std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,
                                        const std::string& activation, double p, int64_t fp8,
-                                       const OptTensor& fp8_state, int64_t fp8_slot);
+                                       const OptTensor& fp8_state, int64_t fp8_slot, bool keep_fp8_codes);
 
 // Memory modes of the layers (bits of the `memory` argument of encoder_layer_fwd / decoder_layer_fwd).
 constexpr int64_t kInvertibleLayerNorm = 1;  // layer norms keep their output, not their input

@@ -80,14 +80,20 @@ Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bi
   return ag_linear(x, weight, bias);
 }
 bool fp8_linear_shapes_ok(const Tensor& weight) { return false; }
-std::vector<Tensor> fp8_linear_forward_keep_w(const Tensor& x2, const Tensor& weight, int64_t mode,
-                                              const OptTensor& state, int64_t slot) {
+std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bias, const Tensor& weight,
+                                           const std::string& activation, double p, int64_t mode,
+                                           const OptTensor& state, int64_t slot, bool keep_codes) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
-std::vector<Tensor> fp8_linear_backward_from_x(const Tensor& g2, const Tensor& x2, const Tensor& wq_t,
-                                               const Tensor& sx, const Tensor& sw, int64_t mode,
-                                               const OptTensor& state, int64_t slot, bool need_dw) {
+Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor& mask, const std::string& activation,
+                       double p, int64_t mode, const OptTensor& state, int64_t slot) {
+  LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+  return {};
+}
+std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,
+                                              const Tensor& sx, const Tensor& sw, int64_t mode,
+                                              const OptTensor& state, int64_t slot, bool need_dw) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }

@@ -163,6 +163,46 @@ def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias, 
         torch.testing.assert_close(b.grad.float(), dy.float().sum(0), rtol=ulp, atol=ulp * rows ** 0.5)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_codes", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 61, 256), (2, 8, 4096)])
+def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep, dtype, shape):
+    """The FP8 FFN (ag_bias_act_linear under FP8) writes dropout(act(x + b)) only as e4m3 codes, from one pass
+    over x, and takes relu' from x: its output, mask, every gradient and the FP8 state equal those of the stored
+    pair (bias_act_dropout, then the FP8 linear node) bit for bit, over a current-scaling step and two delayed
+    ones, with the transposed codes kept or made again in the backward."""
+    mod = _mod()
+    gf = fp8.E5M2
+    F = shape[-1]
+    g = torch.Generator(device="cuda").manual_seed(F)
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    b = torch.randn(F, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(48, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
+    dy = torch.randn(*shape[:-1], 48, device="cuda", generator=g).to(dtype)
+    states = [torch.zeros(3, fp8.WIDTH, device="cuda") for _ in range(2)]
+    for step in range(3):
+        mode = 1 + gf + (2 if step == 0 else 0)
+        results = []
+        for fused, st in zip((True, False), states):
+            if step > 0:
+                mod.fp8_roll(st, gf)
+            xi, bi, wi = (t.clone().requires_grad_() for t in (x, b, w))
+            torch.manual_seed(7 + step)
+            if fused:
+                y, mask = mod.ag_bias_act_linear(xi, bi, wi, activation, p, mode, st, 0, keep)
+            else:
+                a, mask = mod.ag_bias_act_dropout(xi, bi, activation, p)
+                y = mod.ag_fp8_linear(a, wi, None, mode, st, 0)
+            y.backward(dy)
+            results.append((y, mask, xi.grad, bi.grad, wi.grad, st.clone()))
+        for got, want, what in zip(results[0], results[1], ("output", "mask", "dx", "dbias", "dW", "state")):
+            assert torch.equal(got, want), f"step {step}: {what} differs"
+    if p > 0:
+        assert not bool(results[0][1].eq(255).all())  # something was dropped
+
+
 def test_fp8_linear_errors():
     mod = _mod()
     x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
