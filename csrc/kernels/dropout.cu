@@ -8,7 +8,8 @@
 // Backward: dx = dy * act'(x + b) * keep / (1 - p) in fp32, rounded once; the bias gradient is
 // the fp32 column sum of the fp32 dx values (before rounding), deterministic (colsum.cuh).
 // Relu's backward needs no mask and no input when it has the output: act' * keep == (out > 0); without the output
-// it takes act' from the input and keep from the mask (what the FP8 FFN keeps: it writes no bf16 output).
+// it takes act' from the input and keep from the mask, or reads the bits of out > 0 from the mask (what the FP8 FFN
+// keeps: it writes no bf16 output).
 #include "kernels/colsum.cuh"
 
 namespace ls {
@@ -92,6 +93,14 @@ struct ActDropoutBwdOp {
   int C;
   float scale;
 
+  // bits k < n of the mask from element i0 on (one byte when i0 is a multiple of 8 and n == 8)
+  __device__ __forceinline__ uint32_t load_bits(int64_t i0, int n) const {
+    if ((i0 & 7) == 0 && n == 8) return mask[i0 >> 3];
+    uint32_t bits = 0;
+    for (int k = 0; k < n; ++k) bits |= ((mask[(i0 + k) >> 3] >> ((i0 + k) & 7)) & 1u) << k;
+    return bits;
+  }
+
   template <bool VEC>
   __device__ __forceinline__ void apply(int64_t r, int c0, int n, float (&v)[1][8]) const {
     const int64_t i0 = r * C + c0;
@@ -102,6 +111,10 @@ struct ActDropoutBwdOp {
       if (VEC) load8(out + i0, o); else load_n(out + i0, n, o);
 #pragma unroll
       for (int k = 0; k < 8; ++k) g[k] = o[k] > 0.f ? g[k] * scale : 0.f;
+    } else if (A == Act::Relu && x == nullptr) {  // the mask holds the bits of out > 0
+      const uint32_t bits = load_bits(i0, n);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) g[k] = ((bits >> k) & 1u) ? g[k] * scale : 0.f;
     } else {
       if constexpr (A != Act::None) {
         float xv[8], b[8];
@@ -118,13 +131,7 @@ struct ActDropoutBwdOp {
         }
       }
       if (mask != nullptr) {
-        uint32_t bits;
-        if (VEC) {
-          bits = mask[i0 >> 3];
-        } else {
-          bits = 0;
-          for (int k = 0; k < n; ++k) bits |= ((mask[(i0 + k) >> 3] >> ((i0 + k) & 7)) & 1u) << k;
-        }
+        const uint32_t bits = load_bits(i0, n);
 #pragma unroll
         for (int k = 0; k < 8; ++k) g[k] = ((bits >> k) & 1u) ? g[k] * scale : 0.f;
       }

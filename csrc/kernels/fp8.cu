@@ -101,21 +101,22 @@ struct PlainSource {
 };
 
 // a = dropout(act(x + bias)) as bias_act_dropout_fwd computes and stores it (dropout.cu: fp32 arithmetic, the keep
-// bits of 8-element group g from Philox(g), the result rounded to T), never written out: DRAW draws the keep bits
-// and writes them to mask (the forward), otherwise they are read from mask (the backward's replay); mask ==
-// nullptr: no dropout.
+// bits of 8-element group g from Philox(g), the result rounded to T), never written out. Dropout applies when p > 0:
+// DRAW draws the keep bits (the forward; written to keep unless it is nullptr), otherwise they are read from keep
+// (the backward's replay). positive (DRAW, nullable): gets the bits of a > 0, in the keep mask's layout.
 template <typename T, Act A, bool DRAW>
 struct ActDropoutSource {
   const T* x;
   const T* bias;
-  uint8_t* mask;
+  uint8_t* keep;
+  uint8_t* positive;
   int64_t K;
   float p;
   uint32_t threshold;
   PhiloxArgs rng;
   uint64_t seed = 0, offset = 0;
   __device__ __forceinline__ void begin() {
-    if (DRAW && mask != nullptr) philox_unpack(rng, seed, offset);
+    if (DRAW && p > 0.f) philox_unpack(rng, seed, offset);
   }
   __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16]) {
     const float scale = 1.f / (1.f - p);
@@ -132,19 +133,24 @@ struct ActDropoutSource {
       }
 #pragma unroll
       for (int k = 0; k < 8; ++k) w[k] = act_f<A>(w[k]);
-      if (mask != nullptr) {
+      if (p > 0.f) {
         uint32_t bits;
         if (DRAW) {
           bits = dropout_bits((uint64_t)(e >> 3), seed, offset, threshold);
-          mask[e >> 3] = (uint8_t)bits;
+          if (keep != nullptr) keep[e >> 3] = (uint8_t)bits;
         } else {
-          bits = mask[e >> 3];
+          bits = keep[e >> 3];
         }
 #pragma unroll
         for (int k = 0; k < 8; ++k) w[k] = ((bits >> k) & 1u) ? w[k] * scale : 0.f;
       }
+      uint32_t pos = 0;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) w[k] = to_f(from_f<T>(w[k]));
+      for (int k = 0; k < 8; ++k) {
+        w[k] = to_f(from_f<T>(w[k]));
+        pos |= (w[k] > 0.f ? 1u : 0u) << k;
+      }
+      if (DRAW && positive != nullptr) positive[e >> 3] = (uint8_t)pos;
     }
   }
 };
@@ -248,10 +254,10 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
 
 namespace {
 template <typename T, Act A, bool DRAW>
-void launch_act_cast(const void* x, const void* bias, uint8_t* mask, int64_t M, int64_t K, float p, PhiloxArgs rng,
-                     float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
-  const ActDropoutSource<T, A, DRAW> src{static_cast<const T*>(x), static_cast<const T*>(bias), mask, K, p,
-                                         dropout_threshold(p), rng};
+void launch_act_cast(const void* x, const void* bias, uint8_t* keep, uint8_t* positive, int64_t M, int64_t K,
+                     float p, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
+  const ActDropoutSource<T, A, DRAW> src{static_cast<const T*>(x), static_cast<const T*>(bias), keep, positive, K,
+                                         p, dropout_threshold(p), rng};
   const int64_t tiles = ((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile);
   cast_kernel<<<blocks_for(tiles, 1), kThreads, 0, stream>>>(src, M, K, row, Fp8Format::E4M3, false,
                                                               static_cast<uint8_t*>(out),
@@ -259,25 +265,28 @@ void launch_act_cast(const void* x, const void* bias, uint8_t* mask, int64_t M, 
 }
 
 template <typename T, bool DRAW>
-void launch_act_cast(Act act, const void* x, const void* bias, uint8_t* mask, int64_t M, int64_t K, float p,
-                     PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
+void launch_act_cast(Act act, const void* x, const void* bias, uint8_t* keep, uint8_t* positive, int64_t M,
+                     int64_t K, float p, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp,
+                     cudaStream_t stream) {
   if (act == Act::Relu)
-    launch_act_cast<T, Act::Relu, DRAW>(x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream);
+    launch_act_cast<T, Act::Relu, DRAW>(x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp, stream);
   else if (act == Act::Gelu)
-    launch_act_cast<T, Act::Gelu, DRAW>(x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream);
+    launch_act_cast<T, Act::Gelu, DRAW>(x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp, stream);
   else
-    launch_act_cast<T, Act::None, DRAW>(x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream);
+    launch_act_cast<T, Act::None, DRAW>(x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp, stream);
 }
 }  // namespace
 
-void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* mask, bool draw, int64_t M, int64_t K,
-                          float p, Act act, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp,
-                          cudaStream_t stream) {
+void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* keep, uint8_t* positive, bool draw,
+                          int64_t M, int64_t K, float p, Act act, PhiloxArgs rng, float* row, void* out, void* out_t,
+                          int64_t Mp, cudaStream_t stream) {
   if (M <= 0 || K <= 0) return;
   if (draw) {
-    LS_DISPATCH(dt, T, launch_act_cast<T, true>(act, x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream));
+    LS_DISPATCH(dt, T, launch_act_cast<T, true>(act, x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp,
+                                                stream));
   } else {
-    LS_DISPATCH(dt, T, launch_act_cast<T, false>(act, x, bias, mask, M, K, p, rng, row, out, out_t, Mp, stream));
+    LS_DISPATCH(dt, T, launch_act_cast<T, false>(act, x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp,
+                                                 stream));
   }
   check_launch("fp8_bias_act_dropout", stream);
 }

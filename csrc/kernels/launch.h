@@ -74,7 +74,8 @@ void bias_act_dropout_replay(DType dt, const void* x, const void* bias, const ui
                              int C, float p, Act act, cudaStream_t stream);
 // dx = dy * act'(x + bias) * keep / (1 - p); dbias (nullable) = column sums of dx.
 // Act::None: no activation (bias_dropout_residual's backward; x, bias unused).
-// Act::Relu: act' read from `out` (> 0), mask unused; or, with out == nullptr, from x + bias (> 0) and the mask.
+// Act::Relu: act' read from `out` (> 0), mask unused; or, with out == nullptr, from x + bias (> 0) and the mask;
+// or, with neither out nor x, the mask holds the bits of out > 0 (act' * keep), also when p == 0.
 // Act::Gelu: needs x, bias and mask.
 void bias_act_dropout_bwd(DType dt, const void* dy, const void* x, const void* bias, const void* out,
                           const uint8_t* mask, void* dx, void* dbias, float* workspace, int64_t rows, int C, float p,
@@ -152,12 +153,13 @@ void fp8_roll(float* state, int64_t rows, Fp8Format grad_fmt, cudaStream_t strea
 void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8Format fmt, bool current, void* out,
                   void* out_t, int64_t Mp, cudaStream_t stream);
 // The e4m3 codes of a = dropout(act(x + bias)) [M, K] as fp8_quantize (delayed scaling: the row's scale, a's maximum
-// recorded) would make them from bias_act_dropout_fwd's output, without writing a: out and/or out_t as there. draw:
-// the keep bits are drawn from rng and written to mask (the forward); else read from mask (the backward's replay).
-// mask == nullptr: no dropout. x, bias 16-byte aligned, K a multiple of 16.
-void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* mask, bool draw, int64_t M, int64_t K,
-                          float p, Act act, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp,
-                          cudaStream_t stream);
+// recorded) would make them from bias_act_dropout_fwd's output, without writing a: out and/or out_t as there.
+// Dropout applies when p > 0: draw draws the keep bits from rng (the forward; written to keep unless nullptr), else
+// they are read from keep (the backward's replay). positive (draw only, nullable): the bits of a > 0, in the layout
+// of the dropout mask (all relu's backward needs). x, bias 16-byte aligned, K a multiple of 16.
+void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* keep, uint8_t* positive, bool draw,
+                          int64_t M, int64_t K, float p, Act act, PhiloxArgs rng, float* row, void* out, void* out_t,
+                          int64_t Mp, cudaStream_t stream);
 
 }  // namespace ls
 

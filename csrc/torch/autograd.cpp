@@ -186,18 +186,21 @@ struct BiasActDropoutNode : public torch::autograd::Function<BiasActDropoutNode>
 // the stored pair keeps a alone already (relu' comes from a > 0): the layers recompute for gelu only.
 // FP8: a exists only as its e4m3 codes, written by the activation's own pass (fp8_act_linear_forward); the
 // weight gradient reads their transposed copy, kept (keep_fp8_codes: the layers' FP8 FFN, relu or gelu) or made
-// again from x and the mask (recomputing). Relu's backward then takes relu' from x. The codes, and so every
-// gradient, equal those of the stored pair with the FP8 linear node.
+// again from x and the mask (recomputing). With the codes kept, relu keeps only the bits of a > 0 (neither x nor
+// the keep bits): its backward is dy * [a > 0] / (1 - p). The codes, and so every gradient, equal those of the
+// stored pair with the FP8 linear node.
 struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& weight,
                                const std::string& activation, double p, int64_t fp8, const OptTensor& fp8_state,
                                int64_t fp8_slot, bool keep_fp8_codes) {
     Tensor xc = contig(x);
     const bool use_fp8 = fp8 > 0 && fp8_linear_shapes_ok(weight) && xc.numel() > 0;
+    // FP8 relu with the codes kept: the bits of a > 0 are all its backward needs (neither x nor the keep bits)
+    const bool relu_bits = use_fp8 && keep_fp8_codes && activation == "relu";
     Tensor y2, mask, aq_t, wq_t, sx, sw;
     if (use_fp8) {
       auto f = fp8_act_linear_forward(xc.reshape({-1, x.size(-1)}), bias, weight, activation, p, fp8, fp8_state,
-                                      fp8_slot, keep_fp8_codes);
+                                      fp8_slot, keep_fp8_codes, relu_bits);
       y2 = f[0], mask = f[1], aq_t = f[2], wq_t = f[3], sx = f[4], sw = f[5];
     } else {
       auto r = bias_act_dropout_fwd(xc, bias, activation, p);  // [a, mask]
@@ -207,7 +210,10 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({xc, or_undefined(bias), mask, weight, wq_t, sx, sw, or_undefined(fp8_state), aq_t});
+    ctx->save_for_backward({relu_bits ? Tensor() : xc, or_undefined(bias), mask, weight, wq_t, sx, sw,
+                            or_undefined(fp8_state), aq_t});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["relu_bits"] = relu_bits;
     ctx->saved_data["act"] = activation;
     ctx->saved_data["fp8"] = use_fp8 ? fp8 : int64_t(0);
     ctx->saved_data["slot"] = fp8_slot;
@@ -224,24 +230,27 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
     const OptTensor bias = opt(s[1]);
     const std::string act = ctx->saved_data["act"].toStringRef();
     const double p = ctx->saved_data["p"].toDouble();
-    const OptTensor mask = p > 0 ? OptTensor(s[2]) : std::nullopt;
+    const bool relu_bits = ctx->saved_data["relu_bits"].toBool();
+    const OptTensor mask = p > 0 || relu_bits ? OptTensor(s[2]) : std::nullopt;
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const int64_t fp8 = ctx->saved_data["fp8"].toInt();
     const bool need_db = bias_grad_needed(ctx);
     const bool need_dw = ctx->needs_input_grad(present(bias) ? 2 : 1);  // counts the tensors present
 
     Tensor g2 = contig(g.reshape({-1, w.size(0)}));
-    Tensor x2 = xc.reshape({-1, xc.size(-1)});
     std::vector<Tensor> r;
     Tensor dw;
     if (fp8 > 0) {
       const OptTensor state = opt(s[7]);
       const int64_t slot = ctx->saved_data["slot"].toInt();
       Tensor aq_t = s[8];
-      if (!aq_t.defined() && need_dw) aq_t = fp8_act_codes_t(x2, bias, mask, act, p, fp8, state, slot);
+      if (!aq_t.defined() && need_dw)
+        aq_t = fp8_act_codes_t(xc.reshape({-1, xc.size(-1)}), bias, mask, act, p, fp8, state, slot);
       auto d = fp8_linear_backward_codes(g2, aq_t, s[4], s[5], s[6], fp8, state, slot, need_dw);
       dw = d[1];
-      r = bias_act_dropout_bwd(at::_unsafe_view(d[0], xc.sizes()), OptTensor(xc), bias, std::nullopt, mask, p, act,
-                               need_db);
+      // relu: from the bits of a > 0; gelu: from x and the keep bits
+      r = bias_act_dropout_bwd(at::_unsafe_view(d[0], x_sizes), relu_bits ? std::nullopt : OptTensor(xc), bias,
+                               std::nullopt, mask, p, act, need_db);
     } else {
       Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
       Tensor a2 = a.reshape({-1, xc.size(-1)});

@@ -103,7 +103,8 @@ Tensor bias_act_dropout_replay(const Tensor& x, const OptTensor& bias, const Opt
 }
 
 // -> (dx, dbias (empty unless need_dbias)). activation "none": dx = dy * keep / (1 - p);
-// "relu" needs `out` (the forward output), or x, bias and the mask; "gelu" needs x, bias and the mask.
+// "relu" needs `out` (the forward output), or x, bias and the mask, or (neither given) a mask of the bits of
+// out > 0; "gelu" needs x, bias and the mask.
 std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, const OptTensor& bias,
                                          const OptTensor& out, const OptTensor& mask, double p,
                                          const std::string& activation, bool need_dbias) {
@@ -124,9 +125,9 @@ std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, c
     }
   }
   const bool relu_from_out = act == ls::Act::Relu && present(out);
-  if (act == ls::Act::Relu) LS_CHECK(present(out) || present(x), op, ": relu backward needs the forward output or input");
+  const bool relu_bits = act == ls::Act::Relu && !present(out) && !present(x);  // the mask: bits of out > 0
   if (act == ls::Act::Gelu) LS_CHECK(present(x), op, ": gelu backward needs the forward input");
-  if (drop && !relu_from_out) {
+  if ((drop && !relu_from_out) || (relu_bits && dy.numel() > 0)) {
     LS_CHECK(present(mask), op, ": dropout backward needs the mask");
     LS_CHECK_INPUT(op, *mask);
     LS_CHECK_DTYPE(op, *mask, at::kByte);
@@ -144,7 +145,7 @@ std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, c
   Tensor ws = at::empty({need_dbias ? ls::colsum_workspace(rows, (int)C) : 0}, dy.options().dtype(at::kFloat));
   launch(op, [&] {
     ls::bias_act_dropout_bwd(dt, dy.data_ptr(), ptr_or_null(x), ptr_or_null(b), relu_from_out || act != ls::Act::Relu ? ptr_or_null(out) : nullptr,
-                             drop && present(mask) ? mask->data_ptr<uint8_t>() : nullptr, dx.data_ptr(),
+                             (drop || relu_bits) && present(mask) ? mask->data_ptr<uint8_t>() : nullptr, dx.data_ptr(),
                              need_dbias ? db.data_ptr() : nullptr, need_dbias ? ws.data_ptr<float>() : nullptr, rows,
                              checked_int(op, "C", C), drop ? (float)p : 0.f, act, stream());
   });

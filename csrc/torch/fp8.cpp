@@ -165,10 +165,11 @@ Tensor aligned(const Tensor& t) {
 }
 
 // The codes of a = dropout(act(x2 + bias)) under the input row's (delayed) scale, from one pass over x2: row-major
-// codes (rowwise) and/or transposed codes; draw: the forward (the keep bits are drawn into mask), else the replay.
+// codes (rowwise) and/or transposed codes; draw: the forward (the keep bits are drawn into mask, or with
+// positive_bits mask gets the bits of a > 0 instead), else the replay (the keep bits are read from mask).
 std::pair<Tensor, Tensor> act_codes(const char* op, const Tensor& x2_in, const OptTensor& bias_in, Tensor& mask,
-                                    bool draw, const std::string& activation, double p, const Use& u, bool rowwise,
-                                    bool transposed) {
+                                    bool draw, bool positive_bits, const std::string& activation, double p,
+                                    const Use& u, bool rowwise, bool transposed) {
   const ls::Act act = act_of(op, activation);
   Tensor x2 = aligned(contig(x2_in));
   const int64_t M = x2.size(0), K = x2.size(1), Mp = padded16(M);
@@ -177,35 +178,46 @@ std::pair<Tensor, Tensor> act_codes(const char* op, const Tensor& x2_in, const O
   const bool drop = p > 0.0 && x2.numel() > 0;
   ls::PhiloxArgs rng{};
   if (draw) {
-    mask = at::empty({drop ? ls::mask_bytes(x2.numel()) : 0}, x2.options().dtype(at::kByte));
+    mask = at::empty({drop || positive_bits ? ls::mask_bytes(x2.numel()) : 0}, x2.options().dtype(at::kByte));
     if (drop) rng = philox_args();
   }
   Tensor q = rowwise ? at::empty({M, K}, x2.options().dtype(at::kFloat8_e4m3fn)) : Tensor();
   Tensor q_t = transposed ? at::empty({K, Mp}, x2.options().dtype(at::kFloat8_e4m3fn)) : Tensor();
+  uint8_t* keep = drop && !(draw && positive_bits) ? mask.data_ptr<uint8_t>() : nullptr;
+  uint8_t* positive = draw && positive_bits && x2.numel() > 0 ? mask.data_ptr<uint8_t>() : nullptr;
   c10::cuda::CUDAGuard guard(x2.device());
   launch(op, [&] {
-    ls::fp8_bias_act_dropout(to_dtype(op, x2), x2.data_ptr(), ptr_or_null(bias),
-                             drop ? mask.data_ptr<uint8_t>() : nullptr, draw, M, K, drop ? (float)p : 0.f, act, rng,
-                             u.state.data_ptr<float>() + u.row(0) * ls::kFp8Width, rowwise ? q.data_ptr() : nullptr,
-                             transposed ? q_t.data_ptr() : nullptr, transposed ? Mp : M, stream());
+    ls::fp8_bias_act_dropout(to_dtype(op, x2), x2.data_ptr(), ptr_or_null(bias), keep, positive, draw, M, K,
+                             drop ? (float)p : 0.f, act, rng, u.state.data_ptr<float>() + u.row(0) * ls::kFp8Width,
+                             rowwise ? q.data_ptr() : nullptr, transposed ? q_t.data_ptr() : nullptr,
+                             transposed ? Mp : M, stream());
   });
   return {q, q_t};
+}
+
+// The bits of a > 0 in the dropout mask's layout (a's size a multiple of 8)
+Tensor positive_bits_of(const Tensor& a) {
+  Tensor weights = at::pow(2, at::arange(8, a.options().dtype(at::kInt))).to(at::kByte);
+  return (a.reshape({-1, 8}) > 0).to(at::kByte).mul(weights).sum(1, false, at::kByte);
 }
 
 }  // namespace
 
 std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bias, const Tensor& weight,
                                            const std::string& activation, double p, int64_t mode,
-                                           const OptTensor& state, int64_t slot, bool keep_codes) {
+                                           const OptTensor& state, int64_t slot, bool keep_codes,
+                                           bool positive_bits) {
   const char* op = "fp8_bias_act_linear";
   const Use u = use_of(op, mode, state, slot, x2);
+  LS_CHECK(!positive_bits || (keep_codes && activation == "relu"), op,
+           ": the bits of a > 0 replace the dropout mask only for relu with the codes kept");
   if (u.current) {  // the scale needs a's own maximum first: a in the input's precision, then its codes
     auto r = bias_act_dropout_fwd(x2, bias, activation, p);
     auto f = linear_forward(r[0], weight, std::nullopt, u, keep_codes);
-    return {f[0], r[1], f[1], f[2], f[3], f[4]};
+    return {f[0], positive_bits ? positive_bits_of(r[0]) : r[1], f[1], f[2], f[3], f[4]};
   }
   Tensor mask;
-  auto [aq, aq_t] = act_codes(op, x2, bias, mask, true, activation, p, u, true, keep_codes);
+  auto [aq, aq_t] = act_codes(op, x2, bias, mask, true, positive_bits, activation, p, u, true, keep_codes);
   auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, false, true, true);
   Tensor sa = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
   Tensor y2 = at::_scaled_mm(aq, wq.t(), sa, sw, std::nullopt, std::nullopt, x2.scalar_type(), true);
@@ -220,7 +232,7 @@ Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor&
     return quantize(op, bias_act_dropout_replay(x2, bias, mask, activation, p), u.state, u.row(0),
                     ls::Fp8Format::E4M3, true, false, true).second;
   Tensor m = p > 0.0 && x2.numel() > 0 ? *mask : Tensor();
-  return act_codes(op, x2, bias, m, false, activation, p, u, false, true).second;
+  return act_codes(op, x2, bias, m, false, false, activation, p, u, false, true).second;
 }
 
 std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,

@@ -101,12 +101,14 @@ Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bi
 bool fp8_linear_shapes_ok(const Tensor& weight);
 // The FP8 pieces of ag_bias_act_linear, over 2-d [tokens, F] inputs. Forward: y2 = [a] [W]^T with a =
 // dropout(act(x2 + bias)) written straight as e4m3 codes (under current scaling a is made and then quantised)
-// -> [y2, mask, a's transposed codes (keep_codes, else undefined), W's transposed codes, 1/s of a, 1/s of W].
+// -> [y2, mask, a's transposed codes (keep_codes, else undefined), W's transposed codes, 1/s of a, 1/s of W];
+// mask: the dropout's keep bits, or with positive_bits (relu, keep_codes) the bits of a > 0 (relu's backward).
 // fp8_act_codes_t: a's transposed codes again from x2, bias and the forward's mask, under the forward's scale.
 // fp8_linear_backward_codes: [dx2, dW (or undefined)] from the output gradient and those codes.
 std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bias, const Tensor& weight,
                                            const std::string& activation, double p, int64_t mode,
-                                           const OptTensor& state, int64_t slot, bool keep_codes);
+                                           const OptTensor& state, int64_t slot, bool keep_codes,
+                                           bool positive_bits);
 Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor& mask, const std::string& activation,
                        double p, int64_t mode, const OptTensor& state, int64_t slot);
 std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,

@@ -82,7 +82,8 @@ Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bi
 bool fp8_linear_shapes_ok(const Tensor& weight) { return false; }
 std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bias, const Tensor& weight,
                                            const std::string& activation, double p, int64_t mode,
-                                           const OptTensor& state, int64_t slot, bool keep_codes) {
+                                           const OptTensor& state, int64_t slot, bool keep_codes,
+                                           bool positive_bits) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }

@@ -170,9 +170,10 @@ def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias, 
 @pytest.mark.parametrize("shape", [(3, 61, 256), (2, 8, 4096)])
 def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep, dtype, shape):
     """The FP8 FFN (ag_bias_act_linear under FP8) writes dropout(act(x + b)) only as e4m3 codes, from one pass
-    over x, and takes relu' from x: its output, mask, every gradient and the FP8 state equal those of the stored
-    pair (bias_act_dropout, then the FP8 linear node) bit for bit, over a current-scaling step and two delayed
-    ones, with the transposed codes kept or made again in the backward."""
+    over x; relu with the codes kept keeps only the bits of a > 0 (in place of the keep mask), otherwise relu' comes
+    from x. Output, mask, every gradient and the FP8 state equal those of the stored pair (bias_act_dropout, then
+    the FP8 linear node) bit for bit, over a current-scaling step and two delayed ones, with the transposed codes
+    kept or made again in the backward."""
     mod = _mod()
     gf = fp8.E5M2
     F = shape[-1]
@@ -195,12 +196,15 @@ def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep,
             else:
                 a, mask = mod.ag_bias_act_dropout(xi, bi, activation, p)
                 y = mod.ag_fp8_linear(a, wi, None, mode, st, 0)
+                if activation == "relu" and keep:  # the fused node keeps the bits of a > 0 instead of the keep bits
+                    bit = (a.detach().reshape(-1, 8) > 0).to(torch.uint8)
+                    mask = (bit << torch.arange(8, device="cuda", dtype=torch.uint8)).sum(1).to(torch.uint8)
             y.backward(dy)
             results.append((y, mask, xi.grad, bi.grad, wi.grad, st.clone()))
         for got, want, what in zip(results[0], results[1], ("output", "mask", "dx", "dbias", "dW", "state")):
             assert torch.equal(got, want), f"step {step}: {what} differs"
-    if p > 0:
-        assert not bool(results[0][1].eq(255).all())  # something was dropped
+    if p > 0 or (activation == "relu" and keep):
+        assert not bool(results[0][1].eq(255).all())  # something was dropped (or is not positive)
 
 
 def test_fp8_linear_errors():
