@@ -228,6 +228,11 @@ int blocks_for(int64_t work, int64_t per_block) {
   return (int)(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
 }
 
+// the cast's grid: one 64 x 64 tile of the [max(M, Mp), K] tensor per block and step
+int cast_blocks(int64_t M, int64_t K, int64_t Mp) {
+  return blocks_for(((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile), 1);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- launchers
@@ -245,8 +250,7 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
                            static_cast<const T*>(x), M * K, reinterpret_cast<unsigned*>(row + kFp8Amax)));
     check_launch("fp8_amax", stream);
   }
-  const int64_t tiles = ((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile);
-  LS_DISPATCH(dt, T, cast_kernel<<<blocks_for(tiles, 1), kThreads, 0, stream>>>(
+  LS_DISPATCH(dt, T, cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(
                          PlainSource<T>{static_cast<const T*>(x), K}, M, K, row, fmt, current,
                          static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp));
   check_launch("fp8_cast", stream);
@@ -258,10 +262,9 @@ void launch_act_cast(const void* x, const void* bias, uint8_t* keep, uint8_t* po
                      float p, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
   const ActDropoutSource<T, A, DRAW> src{static_cast<const T*>(x), static_cast<const T*>(bias), keep, positive, K,
                                          p, dropout_threshold(p), rng};
-  const int64_t tiles = ((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile);
-  cast_kernel<<<blocks_for(tiles, 1), kThreads, 0, stream>>>(src, M, K, row, Fp8Format::E4M3, false,
-                                                              static_cast<uint8_t*>(out),
-                                                              static_cast<uint8_t*>(out_t), Mp);
+  cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, Fp8Format::E4M3, false,
+                                                               static_cast<uint8_t*>(out),
+                                                               static_cast<uint8_t*>(out_t), Mp);
 }
 
 template <typename T, bool DRAW>

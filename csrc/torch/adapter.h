@@ -62,6 +62,15 @@ inline ls::PhiloxArgs philox_args() {
   return a;
 }
 
+// The kernels' activation for its name (relu, gelu, none).
+inline ls::Act parse_act(const char* op, const std::string& a) {
+  if (a == "relu") return ls::Act::Relu;
+  if (a == "gelu") return ls::Act::Gelu;
+  if (a == "none") return ls::Act::None;
+  LS_CHECK(false, op, ": unknown activation '", a, "' (relu, gelu, none)");
+  return ls::Act::None;
+}
+
 inline void check_p(const char* op, double p) {
   LS_CHECK(p >= 0.0 && p < 1.0, op, ": dropout probability must be in [0, 1), got ", p);
 }

@@ -4,14 +4,6 @@
 
 namespace ls_torch {
 
-static ls::Act parse_act(const char* op, const std::string& a) {
-  if (a == "relu") return ls::Act::Relu;
-  if (a == "gelu") return ls::Act::Gelu;
-  if (a == "none") return ls::Act::None;
-  LS_CHECK(false, op, ": unknown activation '", a, "' (relu, gelu, none)");
-  return ls::Act::None;
-}
-
 // What the two forward ops share: checks on x, p and bias, the device guard, the output, the dropout
 // bitmask (ceil(numel / 8) bytes, bit k of byte g = element 8g + k kept; empty when nothing is
 // dropped) and the RNG state.
@@ -144,7 +136,7 @@ std::vector<Tensor> bias_act_dropout_bwd(const Tensor& dy, const OptTensor& x, c
   }
   Tensor ws = at::empty({need_dbias ? ls::colsum_workspace(rows, (int)C) : 0}, dy.options().dtype(at::kFloat));
   launch(op, [&] {
-    ls::bias_act_dropout_bwd(dt, dy.data_ptr(), ptr_or_null(x), ptr_or_null(b), relu_from_out || act != ls::Act::Relu ? ptr_or_null(out) : nullptr,
+    ls::bias_act_dropout_bwd(dt, dy.data_ptr(), ptr_or_null(x), ptr_or_null(b), ptr_or_null(out),
                              (drop || relu_bits) && present(mask) ? mask->data_ptr<uint8_t>() : nullptr, dx.data_ptr(),
                              need_dbias ? db.data_ptr() : nullptr, need_dbias ? ws.data_ptr<float>() : nullptr, rows,
                              checked_int(op, "C", C), drop ? (float)p : 0.f, act, stream());

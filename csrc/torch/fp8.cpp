@@ -37,6 +37,10 @@ ls::Fp8Format to_format(const char* op, int64_t f) {
 
 int64_t padded16(int64_t m) { return (m + 15) / 16 * 16; }
 
+Tensor aligned(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();  // the kernels read 16-byte words
+}
+
 Tensor scale_inv_of(const Tensor& state, int64_t row) { return state.select(0, row).select(0, ls::kFp8ScaleInv); }
 
 void check_state(const char* op, const Tensor& state, int64_t rows_needed, const Tensor& x) {
@@ -53,8 +57,7 @@ void check_state(const char* op, const Tensor& state, int64_t rows_needed, const
 // [codes [M, K] or undefined, transposed codes [K, Mp] or undefined] of a 2-d tensor under state row `row`
 std::pair<Tensor, Tensor> quantize(const char* op, const Tensor& x2_in, const Tensor& state, int64_t row,
                                    ls::Fp8Format fmt, bool current, bool rowwise, bool transposed) {
-  Tensor x2 = contig(x2_in);
-  if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0) x2 = x2.clone();  // the kernel reads 16-byte words
+  Tensor x2 = aligned(contig(x2_in));
   const ls::DType dt = to_dtype(op, x2);
   const int64_t M = x2.size(0), K = x2.size(1), Mp = padded16(M);
   const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
@@ -155,22 +158,13 @@ bool fp8_linear_shapes_ok(const Tensor& weight) { return weight.size(0) % 16 == 
 
 namespace {
 
-ls::Act act_of(const char* op, const std::string& a) {
-  LS_CHECK(a == "relu" || a == "gelu" || a == "none", op, ": unknown activation '", a, "' (relu, gelu, none)");
-  return a == "relu" ? ls::Act::Relu : (a == "gelu" ? ls::Act::Gelu : ls::Act::None);
-}
-
-Tensor aligned(const Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();  // the kernel reads 16-byte words
-}
-
 // The codes of a = dropout(act(x2 + bias)) under the input row's (delayed) scale, from one pass over x2: row-major
 // codes (rowwise) and/or transposed codes; draw: the forward (the keep bits are drawn into mask, or with
 // positive_bits mask gets the bits of a > 0 instead), else the replay (the keep bits are read from mask).
 std::pair<Tensor, Tensor> act_codes(const char* op, const Tensor& x2_in, const OptTensor& bias_in, Tensor& mask,
                                     bool draw, bool positive_bits, const std::string& activation, double p,
                                     const Use& u, bool rowwise, bool transposed) {
-  const ls::Act act = act_of(op, activation);
+  const ls::Act act = parse_act(op, activation);
   Tensor x2 = aligned(contig(x2_in));
   const int64_t M = x2.size(0), K = x2.size(1), Mp = padded16(M);
   OptTensor bias = channel_param(op, "bias", bias_in, x2, K);
