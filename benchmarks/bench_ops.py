@@ -193,52 +193,55 @@ def sdpa_report(dt):
     return lines
 
 
-# transformer-big's projections: (name, in, out, uses per update with the encoder and decoder at N tokens each)
-# (name, K, N, uses per update, bias); the vocabulary projection is reported apart from the layers' total
+# transformer-big's projections: (name, K, N, uses per update with the encoder and decoder at N tokens each, bias)
 FP8_LINEARS = [("self-attn qkv", 1024, 3072, 12, True), ("self-attn out", 1024, 1024, 12, True),
                ("ffn 1", 1024, 4096, 12, True), ("ffn 2", 4096, 1024, 12, True), ("cross-attn q", 1024, 1024, 6, True),
-               ("cross-attn out", 1024, 1024, 6, True), ("cross-attn k,v (6 layers)", 1024, 12288, 1, True),
-               ("vocabulary", 1024, 32000, 1, False)]
+               ("cross-attn out", 1024, 1024, 6, True), ("cross-attn k,v (6 layers)", 1024, 12288, 1, True)]
+FP8_VOCABULARY = ("vocabulary", 1024, 32000, 1, False)  # reported apart from the layers' total
 QUANT_KERNELS = ("amax_kernel", "cast_kernel", "roll_kernel")
 
 
-def fp8_report(N):
+def fp8_projection(N, name, k, n, count, with_bias):
+    """Prints one projection's row; returns its (bf16, fp8, fp8 GEMMs) GPU seconds per update."""
     from ls_fairseq.ops import fp8 as F8
 
     dt = torch.bfloat16
+    x = torch.randn(N, k, device="cuda", dtype=dt, requires_grad=True)
+    w = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).requires_grad_()
+    b = torch.zeros(n, device="cuda", dtype=dt, requires_grad=True) if with_bias else None
+    dy = torch.randn(N, n, device="cuda", dtype=dt)
+    state = torch.zeros(3, F8.WIDTH, device="cuda")
+    base = F8.mode_of(True, "e5m2")
+    ops.linear(x, w, b, fp8=F8.Fp8Use(base + 2, state, 0)).backward(dy)  # calibrate: current scaling
+    F8.fp8_roll(state, F8.E5M2)
+    use = F8.Fp8Use(base, state, 0)
+    t_bf = sum(t for _, t in kernel_events(fwd_bwd(lambda: ops.linear(x, w, b), [x, w, b], [dy])))
+    ev = kernel_events(fwd_bwd(lambda: ops.linear(x, w, b, fp8=use), [x, w, b], [dy]))
+    t_f8 = sum(t for _, t in ev)
+    t_q = sum(t for nm, t in ev if any(q in nm for q in QUANT_KERNELS))
+    print(f"| {name} | {k} -> {n} | {count} | {t_bf * 1e3:.3f} | {t_f8 * 1e3:.3f} | {(t_f8 - t_q) * 1e3:.3f} | "
+          f"{t_q * 1e3:.3f} | {t_bf / t_f8:.2f}x | {t_bf / (t_f8 - t_q):.2f}x |", flush=True)
+    return count * t_bf, count * t_f8, count * (t_f8 - t_q)
+
+
+def fp8_total(label, bf, f8, gemm):
+    print(f"| {label} | | | {bf * 1e3:.2f} | {f8 * 1e3:.2f} | {gemm * 1e3:.2f} | {(f8 - gemm) * 1e3:.2f} | "
+          f"{bf / f8:.2f}x | {bf / gemm:.2f}x |")
+
+
+def fp8_report(N):
     print(f"\nFP8 linear layers at {N} tokens (bf16 activations; GPU ms of forward + backward, profiler):\n")
     print("| projection | K -> N | per update | bf16 | fp8 | fp8 GEMMs | fp8 quantisation | fp8 / bf16 | "
           "GEMMs only / bf16 |")
     print("|" + "---|" * 9)
-    tot = {"bf16": 0.0, "fp8": 0.0, "gemm": 0.0}
-    for name, k, n, count, with_bias in FP8_LINEARS:
-        if name == "vocabulary":
-            print(f"| layers, one update | | | {tot['bf16'] * 1e3:.2f} | {tot['fp8'] * 1e3:.2f} | "
-                  f"{tot['gemm'] * 1e3:.2f} | {(tot['fp8'] - tot['gemm']) * 1e3:.2f} | "
-                  f"{tot['bf16'] / tot['fp8']:.2f}x | {tot['bf16'] / tot['gemm']:.2f}x |")
-        x = torch.randn(N, k, device="cuda", dtype=dt, requires_grad=True)
-        w = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).requires_grad_()
-        b = torch.zeros(n, device="cuda", dtype=dt, requires_grad=True) if with_bias else None
-        dy = torch.randn(N, n, device="cuda", dtype=dt)
-        state = torch.zeros(3, F8.WIDTH, device="cuda")
-        base = F8.mode_of(True, "e5m2")
-        ops.linear(x, w, b, fp8=F8.Fp8Use(base + 2, state, 0)).backward(dy)  # calibrate: current scaling
-        F8.fp8_roll(state, F8.E5M2)
-        use = F8.Fp8Use(base, state, 0)
-        t_bf = sum(t for _, t in kernel_events(fwd_bwd(lambda: ops.linear(x, w, b), [x, w, b], [dy])))
-        ev = kernel_events(fwd_bwd(lambda: ops.linear(x, w, b, fp8=use), [x, w, b], [dy]))
-        t_f8 = sum(t for _, t in ev)
-        t_q = sum(t for nm, t in ev if any(q in nm for q in QUANT_KERNELS))
-        tot["bf16"] += count * t_bf
-        tot["fp8"] += count * t_f8
-        tot["gemm"] += count * (t_f8 - t_q)
-        print(f"| {name} | {k} -> {n} | {count} | {t_bf * 1e3:.3f} | {t_f8 * 1e3:.3f} | {(t_f8 - t_q) * 1e3:.3f} | "
-              f"{t_q * 1e3:.3f} | {t_bf / t_f8:.2f}x | {t_bf / (t_f8 - t_q):.2f}x |", flush=True)
-    print(f"| all with the vocabulary | | | {tot['bf16'] * 1e3:.2f} | {tot['fp8'] * 1e3:.2f} | {tot['gemm'] * 1e3:.2f} | "
-          f"{(tot['fp8'] - tot['gemm']) * 1e3:.2f} | {tot['bf16'] / tot['fp8']:.2f}x | "
-          f"{tot['bf16'] / tot['gemm']:.2f}x |")
-    print(f"\nper update: FP8 saves {(tot['bf16'] - tot['fp8']) * 1e3:.2f} ms of linear-layer GPU time; with free "
-          f"quantisation it would save {(tot['bf16'] - tot['gemm']) * 1e3:.2f} ms.")
+    tot = [0.0, 0.0, 0.0]  # bf16, fp8, fp8 GEMMs
+    for spec in FP8_LINEARS:
+        tot = [a + b for a, b in zip(tot, fp8_projection(N, *spec))]
+    fp8_total("layers, one update", *tot)
+    tot = [a + b for a, b in zip(tot, fp8_projection(N, *FP8_VOCABULARY))]
+    fp8_total("all with the vocabulary", *tot)
+    print(f"\nper update: FP8 saves {(tot[0] - tot[1]) * 1e3:.2f} ms of linear-layer GPU time; with free "
+          f"quantisation it would save {(tot[0] - tot[2]) * 1e3:.2f} ms.")
 
 
 def main():
