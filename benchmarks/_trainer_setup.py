@@ -22,15 +22,17 @@ def pop_flag(argv, name):
 def build(argv):
     """fairseq-train flags -> (cfg, task, model, criterion), the train split loaded.
 
-    Flags are parsed like lightseq-train parses them (ls_adam keeps the fp32 master weights
-    under --fp16 / --bf16)."""
+    Flags are parsed like lightseq-train parses them (--bf16 trains on the GPU; ls_adam keeps the
+    fp32 master weights under --fp16 / --bf16)."""
     import ls_fairseq.fairseq_ext  # noqa: F401  (compat fixes + ls registrations)
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from ls_fairseq.cli.train import ls_adam_owns_master_weights
+    from ls_fairseq.cli.train import fix_bf16, ls_adam_owns_master_weights, patch_fp16_optimizer_for_bf16
 
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    fix_bf16(args, argv)  # --bf16 on the GPU, not --tpu
+    patch_fp16_optimizer_for_bf16()
     ls_adam_owns_master_weights(args)
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)

@@ -10,6 +10,7 @@
 // Relu's backward needs no mask and no input when it has the output: act' * keep == (out > 0); without the output
 // it takes act' from the input and keep from the mask, or reads the bits of out > 0 from the mask (what the FP8 FFN
 // keeps: it writes no bf16 output).
+#include "kernels/act_dropout.cuh"
 #include "kernels/colsum.cuh"
 
 namespace ls {
@@ -40,19 +41,13 @@ __global__ void fused_dropout_fwd_kernel(const T* __restrict__ x, const T* __res
 #pragma unroll
         for (int k = 0; k < 8; ++k) b[k] = k < cnt ? to_f(bias[(int)((i0 + k) % C)]) : 0.f;
       }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] += b[k];
     }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = act_f<A>(v[k]);
+    bias_act8<A>(v, bias != nullptr ? b : nullptr);
     if (REPLAY) {
-      const uint32_t bits = keep[g];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = ((bits >> k) & 1u) ? v[k] * scale : 0.f;
+      keep8(v, keep[g], scale);
     } else if (mask != nullptr) {
       const uint32_t bits = dropout_bits(g, seed, offset, threshold);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = ((bits >> k) & 1u) ? v[k] * scale : 0.f;
+      keep8(v, bits, scale);
       mask[g] = (uint8_t)bits;
     }
     if (RESIDUAL) {
@@ -109,32 +104,22 @@ struct ActDropoutBwdOp {
     if (A == Act::Relu && out != nullptr) {  // relu' * keep == (out > 0)
       float o[8];
       if (VEC) load8(out + i0, o); else load_n(out + i0, n, o);
+      uint32_t bits = 0;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] = o[k] > 0.f ? g[k] * scale : 0.f;
+      for (int k = 0; k < 8; ++k) bits |= (o[k] > 0.f ? 1u : 0u) << k;
+      keep8(g, bits, scale);
     } else if (A == Act::Relu && x == nullptr) {  // the mask holds the bits of out > 0
-      const uint32_t bits = load_bits(i0, n);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] = ((bits >> k) & 1u) ? g[k] * scale : 0.f;
+      keep8(g, load_bits(i0, n), scale);
     } else {
       if constexpr (A != Act::None) {
-        float xv[8], b[8];
-        if (VEC) load8(x + i0, xv); else load_n(x + i0, n, xv);
+        float z[8], b[8];
+        if (VEC) load8(x + i0, z); else load_n(x + i0, n, z);
         if (bias != nullptr) {
           if (VEC) load8(bias + c0, b); else load_n(bias + c0, n, b);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) xv[k] += b[k];
         }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          if constexpr (A == Act::Gelu) g[k] *= gelu_grad_f(xv[k]);
-          else g[k] = xv[k] > 0.f ? g[k] : 0.f;  // relu from its input (no output kept)
-        }
+        act_grad8<A>(g, z, bias != nullptr ? b : nullptr);  // relu from its input when no output is kept
       }
-      if (mask != nullptr) {
-        const uint32_t bits = load_bits(i0, n);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] = ((bits >> k) & 1u) ? g[k] * scale : 0.f;
-      }
+      if (mask != nullptr) keep8(g, load_bits(i0, n), scale);
     }
     if (VEC) store8(dx + i0, g); else store_n(dx + i0, n, g);
 #pragma unroll

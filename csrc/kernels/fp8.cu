@@ -23,14 +23,17 @@
 // ls_fairseq/ops/fp8.py holds the same rules in plain PyTorch (the reference the tests compare with).
 //
 // The same cast also takes its values straight from dropout(act(x + bias)) (fp8_bias_act_dropout): the FP8 FFN's
-// activation is never written in its own precision, only as codes.
+// activation is never written in its own precision, only as codes; and from that activation's backward
+// (fp8_act_dropout_grad): the gradient of the FFN's first projection leaves as codes too, with the bias gradient
+// summed on the way (per 64-row tile in a fixed order, then colsum_finalize: deterministic).
 //
 // The cast works on 64 x 64 tiles: 256 threads each convert 16 consecutive elements of a row and store them as one
 // 16-byte word of the row-major codes; the transposed codes (what the weight-gradient GEMM reads) go through shared
 // memory and leave as 16-byte words of the transposed rows.
 #include <cuda_fp8.h>
 
-#include "kernels/common.cuh"
+#include "kernels/act_dropout.cuh"
+#include "kernels/colsum.cuh"
 
 namespace ls {
 
@@ -91,6 +94,7 @@ __device__ __forceinline__ uint16_t to_fp8x2(float a, float b, Fp8Format fmt) {
 // quantise, as fp32 values of the storage type T.
 template <typename T>
 struct PlainSource {
+  static constexpr bool kSums = false;  // whether the cast also sums the columns (load16 then fills raw)
   const T* x;
   int64_t K;
   __device__ __forceinline__ void begin() {}
@@ -106,6 +110,7 @@ struct PlainSource {
 // (the backward's replay). positive (DRAW, nullable): gets the bits of a > 0, in the keep mask's layout.
 template <typename T, Act A, bool DRAW>
 struct ActDropoutSource {
+  static constexpr bool kSums = false;
   const T* x;
   const T* bias;
   uint8_t* keep;
@@ -122,17 +127,12 @@ struct ActDropoutSource {
     const float scale = 1.f / (1.f - p);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float* w = v + 8 * h;
+      float(&w)[8] = *reinterpret_cast<float(*)[8]>(v + 8 * h);
       const int64_t e = i * K + j + 8 * h;
-      load8(x + e, *reinterpret_cast<float(*)[8]>(w));
-      if (bias != nullptr) {
-        float b[8];
-        load8(bias + j + 8 * h, b);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) w[k] += b[k];
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) w[k] = act_f<A>(w[k]);
+      float b[8];
+      load8(x + e, w);
+      if (bias != nullptr) load8(bias + j + 8 * h, b);
+      bias_act8<A>(w, bias != nullptr ? b : nullptr);
       if (p > 0.f) {
         uint32_t bits;
         if (DRAW) {
@@ -141,8 +141,7 @@ struct ActDropoutSource {
         } else {
           bits = keep[e >> 3];
         }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) w[k] = ((bits >> k) & 1u) ? w[k] * scale : 0.f;
+        keep8(w, bits, scale);
       }
       uint32_t pos = 0;
 #pragma unroll
@@ -155,9 +154,75 @@ struct ActDropoutSource {
   }
 };
 
+// dh = the gradient of x in a = dropout(act(x + bias)) for the gradient dy of a, as bias_act_dropout_bwd computes
+// it (dropout.cu: fp32, rounded to T), and the fp32 values before rounding in raw (what the bias gradient sums).
+// x nullptr (relu): keep holds the bits of a > 0 (relu' and the keep bits in one); otherwise keep holds the keep
+// bits, or is nullptr when no dropout was applied.
+template <typename T, Act A>
+struct ActDropoutGradSource {
+  static constexpr bool kSums = true;
+  const T* dy;
+  const T* x;
+  const T* bias;
+  const uint8_t* keep;
+  int64_t K;
+  float scale;
+  __device__ __forceinline__ void begin() {}
+  __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16], float (&raw)[16]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float(&g)[8] = *reinterpret_cast<float(*)[8]>(raw + 8 * h);
+      const int64_t e = i * K + j + 8 * h;
+      load8(dy + e, g);
+      if (A == Act::Relu && x == nullptr) {
+        keep8(g, keep[e >> 3], scale);
+      } else {
+        if constexpr (A != Act::None) {
+          float z[8], b[8];
+          load8(x + e, z);
+          if (bias != nullptr) load8(bias + j + 8 * h, b);
+          act_grad8<A>(g, z, bias != nullptr ? b : nullptr);
+        }
+        if (keep != nullptr) keep8(g, keep[e >> 3], scale);
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[8 * h + k] = to_f(from_f<T>(g[k]));
+    }
+  }
+};
+
+// Adds this tile's rows of raw into partial[k0 .. k0 + 63] (the tile row's slice of the partial sums), in a fixed
+// order: a butterfly over the 8 rows of a warp, then the 8 warps in turn.
+__device__ __forceinline__ void tile_colsum(float (&raw)[16], float* __restrict__ partial, int64_t k0, int64_t K) {
+  __shared__ float warp_sums[kThreads / 32][kTile];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    float s = raw[k];
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    s += __shfl_xor_sync(0xffffffffu, s, 16);
+    raw[k] = s;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane < 4) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) warp_sums[warp][lane * 16 + k] = raw[k];
+  }
+  __syncthreads();
+  if (threadIdx.x < kTile && k0 + threadIdx.x < K) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) s += warp_sums[w][threadIdx.x];
+    partial[k0 + threadIdx.x] = s;
+  }
+  __syncthreads();
+}
+
+// partial (Source::kSums): [tiles of 64 rows, K] floats, each tile row's column sums of the source's raw values
 template <typename Source>
 __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt, bool current,
-                            uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp) {
+                            uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp,
+                            float* __restrict__ partial = nullptr) {
   __shared__ __align__(16) uint8_t tile_t[kTile * kTileStride];
   const float s = current ? scale_from_bits(__float_as_uint(row[kFp8Amax]), fmt) : row[kFp8Scale];
   if (current && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -171,12 +236,16 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
   for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x) {
     const int64_t m0 = (t / tiles_k) * kTile, k0 = (t % tiles_k) * kTile;
     const int64_t i = m0 + r, j = k0 + c;
-    float v[16];
+    float v[16], raw[16];
     if (i < M && j < K) {  // K is a multiple of 16: a row's 16 columns are all in or all out
-      src.load16(i, j, v);
+      if constexpr (Source::kSums) src.load16(i, j, v, raw);
+      else src.load16(i, j, v);
     } else {
 #pragma unroll
-      for (int k = 0; k < 16; ++k) v[k] = 0.f;
+      for (int k = 0; k < 16; ++k) v[k] = raw[k] = 0.f;
+    }
+    if constexpr (Source::kSums) {
+      if (partial != nullptr) tile_colsum(raw, partial + (t / tiles_k) * K, k0, K);  // uniform over the block
     }
     uint4 packed;
     uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
@@ -292,6 +361,41 @@ void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* ke
                                                  stream));
   }
   check_launch("fp8_bias_act_dropout", stream);
+}
+
+int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp) {
+  return ((Mp > M ? Mp : M) + kTile - 1) / kTile * K;
+}
+
+namespace {
+template <typename T, Act A>
+void launch_grad_cast(const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M, int64_t K,
+                      float p, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp, void* dbias,
+                      float* partial, cudaStream_t stream) {
+  const ActDropoutGradSource<T, A> src{static_cast<const T*>(dy), static_cast<const T*>(x),
+                                       static_cast<const T*>(bias), keep, K, 1.f / (1.f - p)};
+  cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false, static_cast<uint8_t*>(out),
+                                                               static_cast<uint8_t*>(out_t), Mp, dbias != nullptr ? partial : nullptr);
+  check_launch("fp8_act_dropout_grad", stream);
+  if (dbias == nullptr) return;
+  T* const outs[1] = {static_cast<T*>(dbias)};
+  colsum_finalize<T, 1>(partial, (int)(((Mp > M ? Mp : M) + kTile - 1) / kTile), (int)K, outs, stream,
+                        "fp8_act_dropout_grad colsum");
+}
+}  // namespace
+
+void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M,
+                          int64_t K, float p, Act act, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
+                          void* dbias, float* partial, cudaStream_t stream) {
+  if (M <= 0 || K <= 0) return;
+  LS_DISPATCH(dt, T, {
+    if (act == Act::Relu)
+      launch_grad_cast<T, Act::Relu>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
+    else if (act == Act::Gelu)
+      launch_grad_cast<T, Act::Gelu>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
+    else
+      launch_grad_cast<T, Act::None>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
+  });
 }
 
 }  // namespace ls

@@ -160,6 +160,15 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
 void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* keep, uint8_t* positive, bool draw,
                           int64_t M, int64_t K, float p, Act act, PhiloxArgs rng, float* row, void* out, void* out_t,
                           int64_t Mp, cudaStream_t stream);
+// The codes of dh = dy * act'(x + bias) * keep / (1 - p) [M, K], the input gradient bias_act_dropout_bwd would
+// return (rounded to dt), under the delayed scale of `row` in format fmt (its maximum recorded), without writing dh:
+// out and/or out_t as fp8_quantize's; dbias (nullable): the bias gradient, the fp32 column sum of the unrounded
+// values, deterministic, through partial (fp8_grad_partial_floats(M, K, Mp) floats). x nullptr with relu: keep
+// holds the bits of a > 0; otherwise keep holds the keep bits (nullptr: no dropout). 16-byte aligned pointers.
+int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp);
+void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M,
+                          int64_t K, float p, Act act, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
+                          void* dbias, float* partial, cudaStream_t stream);
 
 }  // namespace ls
 

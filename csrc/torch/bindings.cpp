@@ -89,5 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("state"), py::arg("grad_format"));
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = none, py::arg("mode"), py::arg("state"), py::arg("slot"));
+  m.def("ag_fp8_ffn", guarded(&ag_fp8_ffn),
+        "differentiable dropout(act(x W1^T + b1)) W2^T, both projections in FP8 as one node: [y, mask] (fp8.cpp)",
+        py::arg("x"), py::arg("w1"), py::arg("b1") = none, py::arg("w2"), py::arg("activation"), py::arg("p"),
+        py::arg("mode"), py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true);
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

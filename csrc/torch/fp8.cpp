@@ -101,19 +101,26 @@ std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const
   return {y2, xq_t, wq_t, sx, sw};
 }
 
+// The backward's GEMMs from the output gradient's codes: dx = dY W from gq [M, N] (undefined: no dx), dW = dY^T x
+// from gq_t [N, Mp] (undefined: no dW)
+std::pair<Tensor, Tensor> backward_gemms(const Tensor& gq, const Tensor& gq_t, const Tensor& sg, const Tensor& xq_t,
+                                         const Tensor& wq_t, const Tensor& sx, const Tensor& sw,
+                                         at::ScalarType dx_dtype, at::ScalarType w_dtype) {
+  Tensor dx, dw;
+  // dx = dY W: mat2 = W [N, K] column-major, i.e. the transposed codes viewed back
+  if (gq.defined()) dx = at::_scaled_mm(gq, wq_t.t(), sg, sw, std::nullopt, std::nullopt, dx_dtype, false);
+  // dW = dY^T x: mat1 = dY^T [N, Mp] row-major, mat2 = x [Mp, K] column-major (its transposed codes viewed back)
+  if (gq_t.defined()) dw = at::_scaled_mm(gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, false);
+  return {dx, dw};
+}
+
 // [dx2 (or undefined), dW (or undefined)] from the output gradient g2 [M, N]
 std::pair<Tensor, Tensor> linear_backward(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t, const Tensor& sx,
                                           const Tensor& sw, const Use& u, bool need_dx, bool need_dw,
                                           at::ScalarType w_dtype) {
   const char* op = "fp8_linear backward";
   auto [gq, gq_t] = quantize(op, g2, u.state, u.row(2), to_format(op, u.grad_format), u.current, need_dx, need_dw);
-  Tensor sg = scale_inv_of(u.state, u.row(2));
-  Tensor dx, dw;
-  // dx = dY W: mat2 = W [N, K] column-major, i.e. the transposed codes viewed back
-  if (need_dx) dx = at::_scaled_mm(gq, wq_t.t(), sg, sw, std::nullopt, std::nullopt, g2.scalar_type(), false);
-  // dW = dY^T x: mat1 = dY^T [N, Mp] row-major, mat2 = x [Mp, K] column-major (its transposed codes viewed back)
-  if (need_dw) dw = at::_scaled_mm(gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, false);
-  return {dx, dw};
+  return backward_gemms(gq, gq_t, scale_inv_of(u.state, u.row(2)), xq_t, wq_t, sx, sw, g2.scalar_type(), w_dtype);
 }
 
 struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
@@ -189,6 +196,44 @@ std::pair<Tensor, Tensor> act_codes(const char* op, const Tensor& x2_in, const O
   return {q, q_t};
 }
 
+// The codes of dh = the input gradient of a = dropout(act(x2 + bias)) for a's gradient dy2, as bias_act_dropout_bwd
+// returns it, under the gradient row of u (rowwise and/or transposed), and the bias gradient (need_db), from one pass
+// over dy2 under delayed scaling. x2 undefined (relu): mask holds the bits of a > 0; otherwise the keep bits
+// (undefined: no dropout). -> [codes, transposed codes, dbias]
+std::vector<Tensor> act_grad_codes(const char* op, const Tensor& dy2_in, const OptTensor& x2, const OptTensor& bias,
+                                   const OptTensor& mask, double p, const std::string& activation, const Use& u,
+                                   bool rowwise, bool transposed, bool need_db) {
+  const ls::Fp8Format fmt = to_format(op, u.grad_format);
+  if (u.current) {  // the scale needs dh's own maximum first: dh in the gradient's precision, then its codes
+    auto r = bias_act_dropout_bwd(dy2_in, x2, bias, std::nullopt, mask, p, activation, need_db);
+    auto [q, q_t] = quantize(op, r[0], u.state, u.row(2), fmt, true, rowwise, transposed);
+    return {q, q_t, need_db ? r[1] : Tensor()};
+  }
+  const ls::Act act = parse_act(op, activation);
+  Tensor dy2 = aligned(contig(dy2_in));
+  const int64_t M = dy2.size(0), K = dy2.size(1), Mp = padded16(M);
+  OptTensor x = present(x2) ? OptTensor(aligned(contig(*x2))) : std::nullopt;
+  OptTensor b = channel_param(op, "bias", bias, dy2, K);
+  if (present(b)) b = aligned(contig(*b));
+  const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+  Tensor q = rowwise ? at::empty({M, K}, dy2.options().dtype(qt)) : Tensor();
+  Tensor q_t = transposed ? at::empty({K, Mp}, dy2.options().dtype(qt)) : Tensor();
+  Tensor db = need_db ? at::empty({K}, dy2.options()) : Tensor();
+  if (need_db && M == 0) db.zero_();
+  Tensor ws = at::empty({need_db ? ls::fp8_grad_partial_floats(M, K, transposed ? Mp : M) : 0},
+                        dy2.options().dtype(at::kFloat));
+  c10::cuda::CUDAGuard guard(dy2.device());
+  launch(op, [&] {
+    ls::fp8_act_dropout_grad(to_dtype(op, dy2), dy2.data_ptr(), ptr_or_null(x), ptr_or_null(b),
+                             present(mask) ? mask->data_ptr<uint8_t>() : nullptr, M, K, (float)p, act,
+                             u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt,
+                             rowwise ? q.data_ptr() : nullptr, transposed ? q_t.data_ptr() : nullptr,
+                             transposed ? Mp : M, need_db ? db.data_ptr() : nullptr,
+                             need_db ? ws.data_ptr<float>() : nullptr, stream());
+  });
+  return {q, q_t, db};
+}
+
 // The bits of a > 0 in the dropout mask's layout (a's size a multiple of 8)
 Tensor positive_bits_of(const Tensor& a) {
   Tensor weights = at::pow(2, at::arange(8, a.options().dtype(at::kInt))).to(at::kByte);
@@ -235,6 +280,111 @@ std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq
   const Use u = use_of("fp8_linear backward", mode, state, slot, g2);
   auto [dx, dw] = linear_backward(g2, xq_t, wq_t, sx, sw, u, true, need_dw && xq_t.defined(), g2.scalar_type());
   return {dx, dw};
+}
+
+namespace {
+
+// The FFN's two projections as one node: y = dropout(act(x W1^T + b1)) W2^T with both projections in FP8, so that the
+// gradient crossing from the second projection to the first leaves the activation's backward as codes (with b1's
+// gradient summed on the way) and is never stored in the model's precision nor quantised by a pass of its own. The
+// forward is the chain ag_fp8_linear -> ag_bias_act_linear(keep_codes) would record, and every value but b1's
+// gradient (the same sum in another order) equals that chain's bit for bit.
+struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
+                               const Tensor& w2, const std::string& activation, double p, int64_t mode,
+                               const Tensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
+    const char* op = "fp8_ffn";
+    const Use u1 = use_of(op, mode, state, slot1, x);
+    use_of(op, mode, state, slot2, x);
+    Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
+    auto f1 = linear_forward(x2, w1, std::nullopt, u1, w1.requires_grad());  // [h2, xq_t, w1q_t, sx, sw1]
+    const bool relu_bits = keep_codes && activation == "relu";  // relu's backward needs only the bits of a > 0
+    auto f2 = fp8_act_linear_forward(f1[0], b1, w2, activation, p, mode, state, slot2, keep_codes, relu_bits);
+    auto sizes = x.sizes().vec();
+    sizes.back() = w2.size(0);
+    ctx->set_materialize_grads(false);
+    // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state
+    ctx->save_for_backward({relu_bits ? Tensor() : f1[0], f2[1], f1[1], f1[2], f1[3], f1[4], f2[2], f2[3], f2[4],
+                            f2[5], present(b1) ? *b1 : Tensor(), state});
+    ctx->mark_non_differentiable({f2[1]});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["act"] = activation;
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["relu_bits"] = relu_bits;
+    ctx->saved_data["mode"] = mode;
+    ctx->saved_data["slot1"] = slot1;
+    ctx->saved_data["slot2"] = slot2;
+    return {at::_unsafe_view(f2[0], sizes), f2[1]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const char* op = "fp8_ffn backward";
+    const Tensor& g = grads[0];
+    const variable_list none(11);
+    if (!g.defined()) return none;
+    auto s = ctx->get_saved_variables();
+    const Tensor &h2 = s[0], &mask_t = s[1], &xq_t = s[2], &w1q_t = s[3], &sx = s[4], &sw1 = s[5];
+    const OptTensor b1 = opt_of(s[10]);
+    const Tensor& state = s[11];
+    const std::string act = ctx->saved_data["act"].toStringRef();
+    const double p = ctx->saved_data["p"].toDouble();
+    const bool relu_bits = ctx->saved_data["relu_bits"].toBool();
+    const int64_t mode = ctx->saved_data["mode"].toInt(), slot2 = ctx->saved_data["slot2"].toInt();
+    const Use u1 = use_of(op, mode, state, ctx->saved_data["slot1"].toInt(), g);
+    const OptTensor mask = p > 0 || relu_bits ? OptTensor(mask_t) : std::nullopt;
+    const bool need_dx = ctx->needs_input_grad(0), need_dw1 = ctx->needs_input_grad(1) && xq_t.defined();
+    const bool need_db = present(b1) && ctx->needs_input_grad(2), need_dw2 = ctx->needs_input_grad(3);
+
+    Tensor g2 = contig(g.reshape({-1, g.size(-1)}));
+    Tensor aq_t = s[6];
+    if (!aq_t.defined() && need_dw2) aq_t = fp8_act_codes_t(h2, b1, mask, act, p, mode, state, slot2);
+    auto d2 = fp8_linear_backward_codes(g2, aq_t, s[7], s[8], s[9], mode, state, slot2, need_dw2);  // [da2, dW2]
+    auto c = act_grad_codes(op, d2[0], relu_bits ? std::nullopt : OptTensor(h2), b1, mask, p, act, u1, need_dx,
+                            need_dw1, need_db);
+    auto [dx2, dw1] = backward_gemms(c[0], c[1], scale_inv_of(state, u1.row(2)), xq_t, w1q_t, sx, sw1,
+                                     g2.scalar_type(), g2.scalar_type());
+    Tensor dx = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
+    variable_list out(11);
+    out[0] = dx;
+    out[1] = dw1;
+    out[2] = need_db ? c[2] : Tensor();
+    out[3] = need_dw2 ? d2[1] : Tensor();
+    return out;
+  }
+
+  static OptTensor opt_of(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+};
+
+}  // namespace
+
+std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
+                               const std::string& activation, double p, int64_t mode, const OptTensor& state,
+                               int64_t slot1, int64_t slot2, bool keep_codes) {
+  const char* op = "fp8_ffn";
+  LS_CHECK(x.dim() >= 2 && w1.dim() == 2 && w2.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0),
+           op, ": input ", x.sizes(), ", first weight ", w1.sizes(), " and second weight ", w2.sizes(),
+           " do not chain");
+  LS_CHECK(x.is_cuda() && x.device() == w1.device() && x.device() == w2.device(), op,
+           ": input and weights must be on one CUDA device");
+  LS_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && w1.scalar_type() == x.scalar_type() &&
+               w2.scalar_type() == x.scalar_type(),
+           op, ": input and weights must all be bfloat16 or all float16, got ", x.scalar_type(), ", ",
+           w1.scalar_type(), " and ", w2.scalar_type());
+  LS_CHECK(fp8_linear_shapes_ok(w1) && fp8_linear_shapes_ok(w2), op, ": weights ", w1.sizes(), " and ", w2.sizes(),
+           " must have sizes that are multiples of 16 (the FP8 GEMM's requirement)");
+  if (present(b1))
+    LS_CHECK(b1->dim() == 1 && b1->size(0) == w1.size(0) && b1->scalar_type() == x.scalar_type(), op,
+             ": bias must be [", w1.size(0), "] of ", x.scalar_type(), ", got ", b1->sizes(), " of ",
+             b1->scalar_type());
+  check_p(op, p);
+  parse_act(op, activation);
+  const Use u = use_of(op, mode, state, slot1, x);
+  use_of(op, mode, state, slot2, x);
+  if (x.numel() == 0) {
+    auto r = ag_bias_act_dropout(ag_linear(x, w1, std::nullopt), b1, activation, p);
+    return {ag_linear(r[0], w2, std::nullopt), r[1]};
+  }
+  return Fp8FfnNode::apply(x, w1, b1, w2, activation, p, mode, u.state, slot1, slot2, keep_codes);
 }
 
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,

@@ -145,9 +145,14 @@ Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causa
 Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
                  const LayerArgs& a) {
   auto [h, residual] = block_input(x, a, w[6], w[7], eps);
-  h = ag_linear_mode(h, w[8], std::nullopt, a.fp8.at(2));
-  const Fp8Args f = a.fp8.at(3);
+  const Fp8Args f1 = a.fp8.at(2), f = a.fp8.at(3);
   const bool recompute = a.recompute && activation == "gelu";
+  if (f1.mode > 0 && f.mode > 0 && fp8_linear_shapes_ok(w[8]) && fp8_linear_shapes_ok(w[10])) {
+    // both projections in FP8: one node, the activation and the gradient between the projections only as codes
+    h = ag_fp8_ffn(h, w[8], w[9], w[10], activation, a.p.act, f.mode, f.state, f1.slot, f.slot, !recompute)[0];
+    return block_output(h, w[11], residual, a, w[6], w[7], eps);
+  }
+  h = ag_linear_mode(h, w[8], std::nullopt, f1);
   if (recompute || (f.mode > 0 && fp8_linear_shapes_ok(w[10]))) {  // FP8: the activation written only as codes
     h = ag_bias_act_linear(h, w[9], w[10], activation, a.p.act, f.mode, f.state, f.slot, !recompute)[0];
   } else {

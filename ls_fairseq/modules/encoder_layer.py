@@ -13,7 +13,7 @@ from ls_fairseq.modules.attention import SelfAttention
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.ops._checks import check_activation, check_dropout
 from ls_fairseq.ops._dispatch import cpp_layers
-from ls_fairseq.ops.fp8 import fp8_now, layer_fp8_args
+from ls_fairseq.ops.fp8 import fp8_ffn_node, fp8_now, layer_fp8_args
 from ls_fairseq.ops.layer_norm import KERNEL_MAX_C
 
 _attention_ops = importlib.import_module("ls_fairseq.ops.attention")  # the module; ops.attention is the op
@@ -99,13 +99,19 @@ class EncoderLayer(nn.Module):
 
     def ffn(self, x):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = ops.linear(h, self.fc1.weight, fp8=fp8_now(self, 2))
-        if self.recomputes_activation():
-            h = ops.bias_act_linear(h, self.fc1.bias, self.fc2.weight, self.activation, self.activation_dropout,
-                                    self.training, fp8=fp8_now(self, 3))
+        f1, f2 = fp8_now(self, 2), fp8_now(self, 3)
+        node = fp8_ffn_node(h, self.fc1.weight, self.fc2.weight, f1, f2)
+        if node is not None:  # both projections in FP8: one node, the activation and its gradient only as codes
+            h = node.ag_fp8_ffn(h, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.activation,
+                                float(self.activation_dropout) if self.training else 0.0, f1.mode, f1.state, f1.slot,
+                                f2.slot, not self.recomputes_activation())[0]
+        elif self.recomputes_activation():
+            h = ops.bias_act_linear(ops.linear(h, self.fc1.weight, fp8=f1), self.fc1.bias, self.fc2.weight,
+                                    self.activation, self.activation_dropout, self.training, fp8=f2)
         else:
-            h = ops.bias_act_dropout(h, self.fc1.bias, self.activation, self.activation_dropout, self.training)
-            h = ops.linear(h, self.fc2.weight, fp8=fp8_now(self, 3))
+            h = ops.bias_act_dropout(ops.linear(h, self.fc1.weight, fp8=f1), self.fc1.bias, self.activation,
+                                     self.activation_dropout, self.training)
+            h = ops.linear(h, self.fc2.weight, fp8=f2)
         x = ops.bias_dropout_residual(h, self.fc2.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.final_layer_norm(x)

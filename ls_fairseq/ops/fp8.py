@@ -236,6 +236,18 @@ def fp8_linear(x, weight, bias, use: Fp8Use):
     return fp8_linear_reference(x, weight, bias, use)
 
 
+def fp8_ffn_node(x, w1, w2, use1: Optional[Fp8Use], use2: Optional[Fp8Use]):
+    """The extension when an FFN's two projections run as one FP8 node (ls_fairseq._C.ag_fp8_ffn), else None: both
+    in FP8 under one mode, weights of multiples of 16, a bf16/fp16 CUDA input. The C++ layers take the same node
+    under the same conditions (csrc/torch/layers.cpp)."""
+    if use1 is None or use2 is None or use1.mode != use2.mode or not (shapes_ok(w1) and shapes_ok(w2)):
+        return None
+    mod = _ext.get()
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or mod is None or not hasattr(mod, "ag_fp8_ffn"):
+        return None
+    return mod
+
+
 def fp8_unavailable_reason(device: torch.device, dtype: torch.dtype):
     """Why ``--fp8`` cannot train on ``device`` with parameters of ``dtype`` (None when it can)."""
     if device.type != "cuda":

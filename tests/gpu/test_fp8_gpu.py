@@ -207,6 +207,75 @@ def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep,
         assert not bool(results[0][1].eq(255).all())  # something was dropped (or is not positive)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_codes", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 61, 64, 256), (2, 100, 128, 4096)])
+def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
+    """The FFN as one FP8 node (ag_fp8_ffn) writes the gradient between its projections straight as codes, with the
+    bias gradient summed on the way: output, mask, dx, both weight gradients and the FP8 state equal those of the
+    chain it replaces (the FP8 linear node, then ag_bias_act_linear) bit for bit, over a current-scaling step and
+    two delayed ones; the bias gradient is the same fp32 column sum in another order (equal under current scaling,
+    within one rounding after), and the same run to run."""
+    mod = _mod()
+    gf = fp8.E5M2
+    *lead, C, F = shape
+    g = torch.Generator(device="cuda").manual_seed(F + C)
+    x = torch.randn(*lead, C, device="cuda", generator=g).to(dtype)
+    w1 = (torch.randn(F, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
+    b1 = (0.5 * torch.randn(F, device="cuda", generator=g)).to(dtype)
+    w2 = (torch.randn(C, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
+    dy = torch.randn(*lead, C, device="cuda", generator=g).to(dtype)
+    states = [torch.zeros(6, fp8.WIDTH, device="cuda") for _ in range(3)]
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for step in range(3):
+        mode = 1 + gf + (2 if step == 0 else 0)
+        results = []
+        for kind, st in zip(("node", "node again", "chain"), states):
+            if step > 0:
+                mod.fp8_roll(st, gf)
+            xi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
+            torch.manual_seed(11 + step)
+            if kind == "chain":
+                h = mod.ag_fp8_linear(xi, w1i, None, mode, st, 0)
+                y, mask = mod.ag_bias_act_linear(h, b1i, w2i, activation, p, mode, st, 1, keep)
+            else:
+                y, mask = mod.ag_fp8_ffn(xi, w1i, b1i, w2i, activation, p, mode, st, 0, 1, keep)
+            y.backward(dy)
+            results.append((y, mask, xi.grad, w1i.grad, w2i.grad, st.clone(), b1i.grad))
+        node, again, chain = results
+        for got, want, what in zip(node, chain, ("output", "mask", "dx", "dW1", "dW2", "state")):
+            assert torch.equal(got, want), f"step {step}: {what} differs"
+        assert all(torch.equal(a, b) for a, b in zip(node, again)), f"step {step}: not the same run to run"
+        if step == 0:
+            assert torch.equal(node[6], chain[6])
+        else:
+            torch.testing.assert_close(node[6].float(), chain[6].float(), rtol=ulp,
+                                       atol=ulp * chain[6].float().abs().max().item())
+        assert node[2].abs().sum() > 0 and node[6].abs().sum() > 0
+
+
+def test_fp8_ffn_node_errors():
+    mod = _mod()
+    st = torch.zeros(6, fp8.WIDTH, device="cuda")
+    x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="do not chain"):
+        mod.ag_fp8_ffn(x, w1, None, w2.t().contiguous(), "relu", 0.0, 2, st, 0, 1)
+    with pytest.raises(RuntimeError, match="bfloat16 or all float16"):
+        mod.ag_fp8_ffn(x, w1.half(), None, w2, "relu", 0.0, 2, st, 0, 1)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        mod.ag_fp8_ffn(x, w1[:40], None, w2[:, :40], "relu", 0.0, 2, st, 0, 1)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        mod.ag_fp8_ffn(x, w1, torch.zeros(63, device="cuda", dtype=torch.bfloat16), w2, "relu", 0.0, 2, st, 0, 1)
+    with pytest.raises(RuntimeError, match="this layer needs 9"):
+        mod.ag_fp8_ffn(x, w1, None, w2, "relu", 0.0, 2, st, 0, 2)
+    with pytest.raises(RuntimeError, match="activation"):
+        mod.ag_fp8_ffn(x, w1, None, w2, "tanh", 0.0, 2, st, 0, 1)
+
+
 def test_fp8_linear_errors():
     mod = _mod()
     x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
