@@ -297,9 +297,12 @@ int blocks_for(int64_t work, int64_t per_block) {
   return (int)(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
 }
 
-// the cast's grid: one 64 x 64 tile of the [max(M, Mp), K] tensor per block and step
+// rows of 64 x 64 tiles over the [max(M, Mp), K] tensor the cast walks
+int64_t tile_rows(int64_t M, int64_t Mp) { return ((Mp > M ? Mp : M) + kTile - 1) / kTile; }
+
+// the cast's grid: one tile per block and step
 int cast_blocks(int64_t M, int64_t K, int64_t Mp) {
-  return blocks_for(((Mp > M ? Mp : M) + kTile - 1) / kTile * ((K + kTile - 1) / kTile), 1);
+  return blocks_for(tile_rows(M, Mp) * ((K + kTile - 1) / kTile), 1);
 }
 
 }  // namespace
@@ -363,9 +366,7 @@ void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* ke
   check_launch("fp8_bias_act_dropout", stream);
 }
 
-int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp) {
-  return ((Mp > M ? Mp : M) + kTile - 1) / kTile * K;
-}
+int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp) { return tile_rows(M, Mp) * K; }
 
 namespace {
 template <typename T, Act A>
@@ -374,13 +375,13 @@ void launch_grad_cast(const void* dy, const void* x, const void* bias, const uin
                       float* partial, cudaStream_t stream) {
   const ActDropoutGradSource<T, A> src{static_cast<const T*>(dy), static_cast<const T*>(x),
                                        static_cast<const T*>(bias), keep, K, 1.f / (1.f - p)};
+  float* sums = dbias != nullptr ? partial : nullptr;
   cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false, static_cast<uint8_t*>(out),
-                                                               static_cast<uint8_t*>(out_t), Mp, dbias != nullptr ? partial : nullptr);
+                                                               static_cast<uint8_t*>(out_t), Mp, sums);
   check_launch("fp8_act_dropout_grad", stream);
   if (dbias == nullptr) return;
   T* const outs[1] = {static_cast<T*>(dbias)};
-  colsum_finalize<T, 1>(partial, (int)(((Mp > M ? Mp : M) + kTile - 1) / kTile), (int)K, outs, stream,
-                        "fp8_act_dropout_grad colsum");
+  colsum_finalize<T, 1>(partial, (int)tile_rows(M, Mp), (int)K, outs, stream, "fp8_act_dropout_grad colsum");
 }
 }  // namespace
 
