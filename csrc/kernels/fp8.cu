@@ -191,6 +191,34 @@ struct ActDropoutGradSource {
   }
 };
 
+// The gradient of the attention's input projection, merged from the heads' gradients: row r (= b * T + t), column
+// j of [B * T, n * H * D] is src[j / (H * D)] at head (j % (H * D)) / D, position j % D, of token (b, t); the parts
+// are [B, H, T, D], stored [B, T, H, D] when token_major (nullptr: zeros). D a multiple of 16, so a 16-column load is
+// one head's contiguous run. The values are copied (no rounding); raw = v for the bias gradient.
+template <typename T>
+struct MergeHeadsSource {
+  static constexpr bool kSums = true;
+  const T* src[3];
+  int64_t T_, H, D;
+  bool token_major;
+  __device__ __forceinline__ void begin() {}
+  __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16], float (&raw)[16]) {
+    const int64_t part = j / (H * D), rem = j - part * H * D;
+    const T* s = src[part];
+    if (s == nullptr) {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = raw[k] = 0.f;
+      return;
+    }
+    const int64_t b = i / T_, t = i - b * T_, h = rem / D, d = rem - h * D;
+    const T* p = s + (token_major ? i * (H * D) + rem : ((b * H + h) * T_ + t) * D + d);
+    load8(p, *reinterpret_cast<float(*)[8]>(v));
+    load8(p + 8, *reinterpret_cast<float(*)[8]>(v + 8));
+#pragma unroll
+    for (int k = 0; k < 16; ++k) raw[k] = v[k];
+  }
+};
+
 // Adds this tile's rows of raw into partial[k0 .. k0 + 63] (the tile row's slice of the partial sums), in a fixed
 // order: a butterfly over the 8 rows of a warp, then the 8 warps in turn.
 __device__ __forceinline__ void tile_colsum(float (&raw)[16], float* __restrict__ partial, int64_t k0, int64_t K) {
@@ -369,19 +397,26 @@ void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* ke
 int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp) { return tile_rows(M, Mp) * K; }
 
 namespace {
+// The cast of a summing source: the codes, and the column sums of its raw values into dbias (T, nullable)
+template <typename T, typename Source>
+void launch_summing_cast(const Source& src, int64_t M, int64_t K, float* row, Fp8Format fmt, void* out, void* out_t,
+                         int64_t Mp, void* dbias, float* partial, cudaStream_t stream, const char* name) {
+  float* sums = dbias != nullptr ? partial : nullptr;
+  cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false, static_cast<uint8_t*>(out),
+                                                               static_cast<uint8_t*>(out_t), Mp, sums);
+  check_launch(name, stream);
+  if (dbias == nullptr) return;
+  T* const outs[1] = {static_cast<T*>(dbias)};
+  colsum_finalize<T, 1>(partial, (int)tile_rows(M, Mp), (int)K, outs, stream, name);
+}
+
 template <typename T, Act A>
 void launch_grad_cast(const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M, int64_t K,
                       float p, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp, void* dbias,
                       float* partial, cudaStream_t stream) {
   const ActDropoutGradSource<T, A> src{static_cast<const T*>(dy), static_cast<const T*>(x),
                                        static_cast<const T*>(bias), keep, K, 1.f / (1.f - p)};
-  float* sums = dbias != nullptr ? partial : nullptr;
-  cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false, static_cast<uint8_t*>(out),
-                                                               static_cast<uint8_t*>(out_t), Mp, sums);
-  check_launch("fp8_act_dropout_grad", stream);
-  if (dbias == nullptr) return;
-  T* const outs[1] = {static_cast<T*>(dbias)};
-  colsum_finalize<T, 1>(partial, (int)tile_rows(M, Mp), (int)K, outs, stream, "fp8_act_dropout_grad colsum");
+  launch_summing_cast<T>(src, M, K, row, fmt, out, out_t, Mp, dbias, partial, stream, "fp8_act_dropout_grad");
 }
 }  // namespace
 
@@ -396,6 +431,18 @@ void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* b
       launch_grad_cast<T, Act::Gelu>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
     else
       launch_grad_cast<T, Act::None>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
+  });
+}
+
+void fp8_merge_heads_grad(DType dt, const void* d0, const void* d1, const void* d2, int B, int T_, int n, int H,
+                          int D, bool token_major, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
+                          void* dbias, float* partial, cudaStream_t stream) {
+  const int64_t M = (int64_t)B * T_, K = (int64_t)n * H * D;
+  if (M <= 0 || K <= 0) return;
+  LS_DISPATCH(dt, T, {
+    const MergeHeadsSource<T> src{{static_cast<const T*>(d0), static_cast<const T*>(d1), static_cast<const T*>(d2)},
+                                  T_, H, D, token_major};
+    launch_summing_cast<T>(src, M, K, row, fmt, out, out_t, Mp, dbias, partial, stream, "fp8_merge_heads_grad");
   });
 }
 

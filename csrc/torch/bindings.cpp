@@ -89,6 +89,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("state"), py::arg("grad_format"));
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = none, py::arg("mode"), py::arg("state"), py::arg("slot"));
+  m.def("ag_fp8_linear_split", guarded(&ag_fp8_linear_split),
+        "differentiable x W^T (+ b) split into n parts of heads [B, H, T, D], the projection in FP8, as one node "
+        "(fp8.cpp)", py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"),
+        py::arg("mode"), py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_ffn", guarded(&ag_fp8_ffn),
         "differentiable dropout(act(x W1^T + b1)) W2^T, both projections in FP8 as one node: [y, mask] (fp8.cpp)",
         py::arg("x"), py::arg("w1"), py::arg("b1") = none, py::arg("w2"), py::arg("activation"), py::arg("p"),

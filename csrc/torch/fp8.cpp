@@ -41,6 +41,8 @@ Tensor aligned(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();  // the kernels read 16-byte words
 }
 
+OptTensor opt_of(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
 Tensor scale_inv_of(const Tensor& state, int64_t row) { return state.select(0, row).select(0, ls::kFp8ScaleInv); }
 
 void check_state(const char* op, const Tensor& state, int64_t rows_needed, const Tensor& x) {
@@ -86,6 +88,21 @@ Use use_of(const char* op, int64_t mode, const OptTensor& state, int64_t slot, c
   LS_CHECK(slot >= 0, op, ": FP8 slot must be >= 0, got ", slot);
   check_state(op, *state, 3 * (slot + 1), x);
   return {(mode - 1) & 1, (mode - 1) >= 2, *state, slot};
+}
+
+// What an FP8 projection needs of its input, weight and bias (their shapes against each other checked before)
+void check_projection(const char* op, const Tensor& x, const Tensor& weight, const OptTensor& bias) {
+  LS_CHECK(x.is_cuda() && x.device() == weight.device(), op, ": input and weight must be on one CUDA device");
+  LS_CHECK(x.scalar_type() == weight.scalar_type() &&
+               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+           op, ": input and weight must both be bfloat16 or float16, got ", x.scalar_type(), " and ",
+           weight.scalar_type());
+  LS_CHECK(fp8_linear_shapes_ok(weight), op, ": weight ", weight.sizes(),
+           " has a size that is not a multiple of 16 (the FP8 GEMM's requirement)");
+  if (present(bias))
+    LS_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(), op,
+             ": bias must be [", weight.size(0), "] of ", x.scalar_type(), ", got ", bias->sizes(), " of ",
+             bias->scalar_type());
 }
 
 // The forward's GEMM and what the backward keeps: [y2, x's transposed codes (or undefined), W's transposed codes,
@@ -234,6 +251,53 @@ std::vector<Tensor> act_grad_codes(const char* op, const Tensor& dy2_in, const O
   return {q, q_t, db};
 }
 
+// The codes of the attention input projection's output gradient, merged from the n head gradients d (undefined:
+// zeros) as qkv_split_bwd merges them, under the gradient row of u, and the bias gradient (need_db); one pass over
+// the head gradients under delayed scaling. -> [codes, transposed codes, dbias]
+std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t n, const Use& u, bool rowwise,
+                                bool transposed, bool need_db) {
+  const ls::Fp8Format fmt = to_format(op, u.grad_format);
+  const Tensor* ref = nullptr;
+  for (int64_t i = 0; i < n; ++i)
+    if (d[i].defined()) { ref = &d[i]; break; }
+  const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3), M = B * T, K = n * H * D;
+  if (u.current || D % 16 != 0) {  // merged in the gradient's precision, then quantised
+    auto r = qkv_split_bwd(opt_of(d[0]), n > 1 ? opt_of(d[1]) : std::nullopt, n > 2 ? opt_of(d[2]) : std::nullopt,
+                           n, need_db);
+    auto [q, q_t] = quantize(op, r[0].reshape({M, K}), u.state, u.row(2), fmt, u.current, rowwise, transposed);
+    return {q, q_t, need_db ? r[1] : Tensor()};
+  }
+  bool token_major = true;  // SDPA's kernels return [B, H, T, D] gradients stored [B, T, H, D]
+  for (int64_t i = 0; i < n; ++i)
+    if (d[i].defined()) token_major = token_major && d[i].transpose(1, 2).is_contiguous() && !d[i].is_contiguous();
+  std::vector<Tensor> keep;
+  const void* ptrs[3] = {nullptr, nullptr, nullptr};
+  for (int64_t i = 0; i < n; ++i) {
+    if (!d[i].defined()) continue;
+    keep.push_back(aligned(token_major ? d[i] : d[i].contiguous()));
+    ptrs[i] = keep.back().data_ptr();
+  }
+  const int64_t Mp = padded16(M);
+  const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+  Tensor q = rowwise ? at::empty({M, K}, ref->options().dtype(qt)) : Tensor();
+  Tensor q_t = transposed ? at::empty({K, Mp}, ref->options().dtype(qt)) : Tensor();
+  Tensor db = need_db ? at::empty({K}, ref->options()) : Tensor();
+  if (need_db && M == 0) db.zero_();
+  Tensor ws = at::empty({need_db ? ls::fp8_grad_partial_floats(M, K, transposed ? Mp : M) : 0},
+                        ref->options().dtype(at::kFloat));
+  c10::cuda::CUDAGuard guard(ref->device());
+  launch(op, [&] {
+    ls::fp8_merge_heads_grad(to_dtype(op, *ref), ptrs[0], ptrs[1], ptrs[2], checked_int(op, "batch", B),
+                             checked_int(op, "length", T), (int)n, checked_int(op, "heads", H),
+                             checked_int(op, "head_dim", D), token_major,
+                             u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt,
+                             rowwise ? q.data_ptr() : nullptr, transposed ? q_t.data_ptr() : nullptr,
+                             transposed ? Mp : M, need_db ? db.data_ptr() : nullptr,
+                             need_db ? ws.data_ptr<float>() : nullptr, stream());
+  });
+  return {q, q_t, db};
+}
+
 // The bits of a > 0 in the dropout mask's layout (a's size a multiple of 8)
 Tensor positive_bits_of(const Tensor& a) {
   Tensor weights = at::pow(2, at::arange(8, a.options().dtype(at::kInt))).to(at::kByte);
@@ -351,8 +415,6 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     out[3] = need_dw2 ? d2[1] : Tensor();
     return out;
   }
-
-  static OptTensor opt_of(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 };
 
 }  // namespace
@@ -364,18 +426,8 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
   LS_CHECK(x.dim() >= 2 && w1.dim() == 2 && w2.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0),
            op, ": input ", x.sizes(), ", first weight ", w1.sizes(), " and second weight ", w2.sizes(),
            " do not chain");
-  LS_CHECK(x.is_cuda() && x.device() == w1.device() && x.device() == w2.device(), op,
-           ": input and weights must be on one CUDA device");
-  LS_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && w1.scalar_type() == x.scalar_type() &&
-               w2.scalar_type() == x.scalar_type(),
-           op, ": input and weights must all be bfloat16 or all float16, got ", x.scalar_type(), ", ",
-           w1.scalar_type(), " and ", w2.scalar_type());
-  LS_CHECK(fp8_linear_shapes_ok(w1) && fp8_linear_shapes_ok(w2), op, ": weights ", w1.sizes(), " and ", w2.sizes(),
-           " must have sizes that are multiples of 16 (the FP8 GEMM's requirement)");
-  if (present(b1))
-    LS_CHECK(b1->dim() == 1 && b1->size(0) == w1.size(0) && b1->scalar_type() == x.scalar_type(), op,
-             ": bias must be [", w1.size(0), "] of ", x.scalar_type(), ", got ", b1->sizes(), " of ",
-             b1->scalar_type());
+  check_projection(op, x, w1, b1);
+  check_projection(op, x, w2, std::nullopt);
   check_p(op, p);
   parse_act(op, activation);
   const Use u = use_of(op, mode, state, slot1, x);
@@ -385,6 +437,71 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
     return {ag_linear(r[0], w2, std::nullopt), r[1]};
   }
   return Fp8FfnNode::apply(x, w1, b1, w2, activation, p, mode, u.state, slot1, slot2, keep_codes);
+}
+
+namespace {
+
+// The attention's input projection and its head split as one FP8 node: x W^T (+ bias) -> n parts [B, H, T, D] stored
+// token-major, so that the output gradient leaves the heads' gradients as codes (with the bias gradient summed on the
+// way) and is never merged in the model's precision nor quantised by a pass of its own. The forward is the chain
+// ag_fp8_linear -> ag_split_heads would record, and every value but the bias gradient (the same sum in another
+// order) equals that chain's bit for bit.
+struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                               int64_t n, int64_t num_heads, int64_t mode, const Tensor& state, int64_t slot) {
+    const Use u = use_of("fp8_linear_split", mode, state, slot, x);
+    Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
+    auto f = linear_forward(x2, weight, std::nullopt, u, weight.requires_grad());  // [y2, xq_t, wq_t, sx, sw]
+    Tensor out = qkv_split_fwd(f[0].view({x.size(0), x.size(1), weight.size(0)}), bias, n, num_heads, true);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["hb"] = present(bias);
+    ctx->saved_data["n"] = n;
+    ctx->saved_data["mode"] = mode;
+    ctx->saved_data["slot"] = slot;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    return out.unbind(0);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const char* op = "fp8_linear_split backward";
+    const int64_t n = ctx->saved_data["n"].toInt();
+    const variable_list none(8);
+    bool any = false;
+    for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) any = any || grads[i].defined();
+    if (!any) return none;
+    grads.resize(3);
+    auto s = ctx->get_saved_variables();
+    const Tensor &xq_t = s[0], &wq_t = s[1], &sx = s[2], &sw = s[3], &state = s[4];
+    const Use u = use_of(op, ctx->saved_data["mode"].toInt(), state, ctx->saved_data["slot"].toInt(), state);
+    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) && xq_t.defined();
+    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2);
+    auto c = merge_codes(op, grads, n, u, need_dx, need_dw, need_db);
+    const auto dt = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    auto [dx2, dw] = backward_gemms(c[0], c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx, sw, dt, dt);
+    variable_list out(8);
+    out[0] = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
+    out[1] = dw;
+    out[2] = need_db ? c[2] : Tensor();
+    return out;
+  }
+};
+
+}  // namespace
+
+std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
+                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot) {
+  const char* op = "fp8_linear_split";
+  LS_CHECK(n >= 1 && n <= 3, op, ": n must be 1, 2 or 3, got ", n);
+  LS_CHECK(num_heads >= 1 && weight.dim() == 2 && weight.size(0) % (n * num_heads) == 0, op, ": weight ",
+           weight.sizes(), " does not split into ", n, " parts of ", num_heads, " heads");
+  LS_CHECK(x.dim() == 3 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(), " does not match weight ",
+           weight.sizes(), " (expected [batch, length, ", weight.size(1), "])");
+  check_projection(op, x, weight, bias);
+  const Use u = use_of(op, mode, state, slot, x);
+  if (x.numel() == 0) return ag_split_heads(ag_linear(x, weight, std::nullopt), bias, n, num_heads);
+  return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot);
 }
 
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,
@@ -413,17 +530,7 @@ Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bia
   const char* op = "fp8_linear";
   LS_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
            " does not match weight ", weight.sizes());
-  LS_CHECK(x.is_cuda() && x.device() == weight.device(), op, ": input and weight must be on one CUDA device");
-  LS_CHECK(x.scalar_type() == weight.scalar_type() &&
-               (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
-           op, ": input and weight must both be bfloat16 or float16, got ", x.scalar_type(), " and ",
-           weight.scalar_type());
-  LS_CHECK(fp8_linear_shapes_ok(weight), op, ": weight ", weight.sizes(),
-           " has a size that is not a multiple of 16 (the FP8 GEMM's requirement)");
-  if (present(bias))
-    LS_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(), op,
-             ": bias must be [", weight.size(0), "] of ", x.scalar_type(), ", got ", bias->sizes(), " of ",
-             bias->scalar_type());
+  check_projection(op, x, weight, bias);
   const Use u = use_of(op, mode, state, slot, x);
   if (x.numel() == 0) return ag_linear(x, weight, bias);
   return Fp8LinearNode::apply(x, weight, bias, mode, u.state, slot);

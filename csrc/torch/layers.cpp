@@ -135,8 +135,10 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
                             double eps, const LayerArgs& a) {
   auto [h, residual] = block_input(x, a, w[0], w[1], eps);
-  Tensor qkv = ag_linear_mode(h, w[2], std::nullopt, a.fp8.at(0));
-  auto parts = ag_split_heads(qkv, w[3], 3, a.num_heads);
+  const Fp8Args f = a.fp8.at(0);
+  auto parts = f.mode > 0 && fp8_linear_shapes_ok(w[2])  // FP8: the projection's gradient quantised from the heads'
+                   ? ag_fp8_linear_split(h, w[2], w[3], 3, a.num_heads, f.mode, f.state, f.slot)
+                   : ag_split_heads(ag_linear_mode(h, w[2], std::nullopt, f), w[3], 3, a.num_heads);
   Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len);
   h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8.at(1));
   return block_output(h, w[5], residual, a, w[0], w[1], eps);

@@ -131,6 +131,11 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
                                const std::string& activation, double p, int64_t mode, const OptTensor& state,
                                int64_t slot1, int64_t slot2, bool keep_codes);
 
+// The attention's input projection and head split as one FP8 node: x [B, T, C] W^T (+ bias) -> n parts [B, H, T, D]
+// (as ag_split_heads makes them); the output gradient is quantised straight from the heads' gradients (fp8.cpp).
+std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
+                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot);
+
 // Memory modes of the layers (bits of the `memory` argument of encoder_layer_fwd / decoder_layer_fwd).
 constexpr int64_t kInvertibleLayerNorm = 1;  // layer norms keep their output, not their input
 constexpr int64_t kRecomputeActivation = 2;  // the FFN's activation output is recomputed in the backward (gelu)

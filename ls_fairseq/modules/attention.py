@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
-from ls_fairseq.ops.fp8 import fp8_now
+from ls_fairseq.ops.fp8 import fp8_now, fp8_split_node
 
 
 def xavier_block_(w, gain: float):
@@ -66,8 +66,13 @@ class SelfAttention(nn.Module):
         ``cache`` (incremental decoding): holds prev_key / prev_value [B, H, t, D]; new keys
         and values are appended and stored back.
         """
-        qkv = ops.linear(x, self.in_proj_weight, fp8=fp8_now(self, 0))
-        q, k, v = ops.qkv_split(qkv, self.in_proj_bias, self.num_heads)
+        fp8 = fp8_now(self, 0)
+        node = fp8_split_node(x, self.in_proj_weight, fp8)
+        if node is not None:  # FP8: the projection's gradient quantised straight from the heads' gradients
+            q, k, v = node.ag_fp8_linear_split(x, self.in_proj_weight, self.in_proj_bias, 3, self.num_heads, fp8.mode,
+                                               fp8.state, fp8.slot)
+        else:
+            q, k, v = ops.qkv_split(ops.linear(x, self.in_proj_weight, fp8=fp8), self.in_proj_bias, self.num_heads)
         if cache is not None:
             if "prev_key" in cache:
                 k = torch.cat([cache["prev_key"], k], dim=2)

@@ -236,6 +236,19 @@ def fp8_linear(x, weight, bias, use: Fp8Use):
     return fp8_linear_reference(x, weight, bias, use)
 
 
+def fp8_split_node(x, weight, use: Optional[Fp8Use]):
+    """The extension when an attention's input projection and head split run as one FP8 node
+    (ls_fairseq._C.ag_fp8_linear_split), else None: the projection in FP8, a weight of multiples of 16, a bf16/fp16
+    CUDA input [B, T, C]. The C++ layers take the same node under the same conditions (csrc/torch/layers.cpp)."""
+    if use is None or not shapes_ok(weight) or x.dim() != 3:
+        return None
+    mod = _ext.get()
+    if (not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or mod is None
+            or not hasattr(mod, "ag_fp8_linear_split")):
+        return None
+    return mod
+
+
 def fp8_ffn_node(x, w1, w2, use1: Optional[Fp8Use], use2: Optional[Fp8Use]):
     """The extension when an FFN's two projections run as one FP8 node (ls_fairseq._C.ag_fp8_ffn), else None: both
     in FP8 under one mode, weights of multiples of 16, a bf16/fp16 CUDA input. The C++ layers take the same node

@@ -207,6 +207,34 @@ def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep,
         assert not bool(results[0][1].eq(255).all())  # something was dropped (or is not positive)
 
 
+def _node_equals_chain(run, state_rows, dtype, names):
+    """run(kind, state, mode, step) -> (values..., bias gradient) of the fused node (kind "node", twice) and of the
+    chain it replaces ("chain"), each with its own FP8 state, over a current-scaling step and two delayed ones: the
+    values and the states are equal bit for bit, the bias gradient is the same fp32 sum in another order (equal
+    under current scaling, within one rounding after), and the node gives the same results run to run."""
+    gf = fp8.E5M2
+    states = [torch.zeros(state_rows, fp8.WIDTH, device="cuda") for _ in range(3)]
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for step in range(3):
+        mode = 1 + gf + (2 if step == 0 else 0)
+        results = []
+        for kind, st in zip(("node", "node", "chain"), states):
+            if step > 0:
+                _mod().fp8_roll(st, gf)
+            *values, db = run(kind, st, mode, step)
+            results.append((*values, st.clone(), db))
+        node, again, chain = results
+        for got, want, what in zip(node[:-1], chain[:-1], (*names, "state")):
+            assert torch.equal(got, want), f"step {step}: {what} differs"
+        assert all(torch.equal(a, b) for a, b in zip(node, again)), f"step {step}: not the same run to run"
+        if step == 0:
+            assert torch.equal(node[-1], chain[-1])
+        else:
+            torch.testing.assert_close(node[-1].float(), chain[-1].float(), rtol=ulp,
+                                       atol=ulp * chain[-1].float().abs().max().item())
+        assert node[-1].abs().sum() > 0
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("keep", [True, False], ids=["keep_codes", "recompute"])
@@ -215,11 +243,8 @@ def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep,
 def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
     """The FFN as one FP8 node (ag_fp8_ffn) writes the gradient between its projections straight as codes, with the
     bias gradient summed on the way: output, mask, dx, both weight gradients and the FP8 state equal those of the
-    chain it replaces (the FP8 linear node, then ag_bias_act_linear) bit for bit, over a current-scaling step and
-    two delayed ones; the bias gradient is the same fp32 column sum in another order (equal under current scaling,
-    within one rounding after), and the same run to run."""
+    chain it replaces (the FP8 linear node, then ag_bias_act_linear) bit for bit (_node_equals_chain)."""
     mod = _mod()
-    gf = fp8.E5M2
     *lead, C, F = shape
     g = torch.Generator(device="cuda").manual_seed(F + C)
     x = torch.randn(*lead, C, device="cuda", generator=g).to(dtype)
@@ -227,33 +252,56 @@ def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
     b1 = (0.5 * torch.randn(F, device="cuda", generator=g)).to(dtype)
     w2 = (torch.randn(C, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
     dy = torch.randn(*lead, C, device="cuda", generator=g).to(dtype)
-    states = [torch.zeros(6, fp8.WIDTH, device="cuda") for _ in range(3)]
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
-    for step in range(3):
-        mode = 1 + gf + (2 if step == 0 else 0)
-        results = []
-        for kind, st in zip(("node", "node again", "chain"), states):
-            if step > 0:
-                mod.fp8_roll(st, gf)
-            xi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
-            torch.manual_seed(11 + step)
-            if kind == "chain":
-                h = mod.ag_fp8_linear(xi, w1i, None, mode, st, 0)
-                y, mask = mod.ag_bias_act_linear(h, b1i, w2i, activation, p, mode, st, 1, keep)
-            else:
-                y, mask = mod.ag_fp8_ffn(xi, w1i, b1i, w2i, activation, p, mode, st, 0, 1, keep)
-            y.backward(dy)
-            results.append((y, mask, xi.grad, w1i.grad, w2i.grad, st.clone(), b1i.grad))
-        node, again, chain = results
-        for got, want, what in zip(node, chain, ("output", "mask", "dx", "dW1", "dW2", "state")):
-            assert torch.equal(got, want), f"step {step}: {what} differs"
-        assert all(torch.equal(a, b) for a, b in zip(node, again)), f"step {step}: not the same run to run"
-        if step == 0:
-            assert torch.equal(node[6], chain[6])
+
+    def run(kind, st, mode, step):
+        xi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
+        torch.manual_seed(11 + step)
+        if kind == "chain":
+            h = mod.ag_fp8_linear(xi, w1i, None, mode, st, 0)
+            y, mask = mod.ag_bias_act_linear(h, b1i, w2i, activation, p, mode, st, 1, keep)
         else:
-            torch.testing.assert_close(node[6].float(), chain[6].float(), rtol=ulp,
-                                       atol=ulp * chain[6].float().abs().max().item())
-        assert node[2].abs().sum() > 0 and node[6].abs().sum() > 0
+            y, mask = mod.ag_fp8_ffn(xi, w1i, b1i, w2i, activation, p, mode, st, 0, 1, keep)
+        y.backward(dy)
+        assert xi.grad.abs().sum() > 0
+        return y, mask, xi.grad, w1i.grad, w2i.grad, b1i.grad
+
+    _node_equals_chain(run, 6, dtype, ("output", "mask", "dx", "dW1", "dW2"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,T,C,H", [(3, 29, 64, 4), (2, 100, 256, 4), (5, 7, 32, 4)])  # head dims 16, 64, 8
+@pytest.mark.parametrize("n", [3, 2])
+@pytest.mark.parametrize("grads", ["token_major", "plain", "some"])
+def test_linear_split_node_equals_the_chain(dtype, B, T, C, H, n, grads):
+    """The attention's input projection and head split as one FP8 node (ag_fp8_linear_split) quantise the output
+    gradient straight from the heads' gradients, with the bias gradient summed on the way: the parts, dx, dW and the
+    FP8 state equal those of the chain it replaces (the FP8 linear node, then ag_split_heads) bit for bit
+    (_node_equals_chain), for head gradients stored token-major (as SDPA's kernels give them), plain [B, H, T, D]
+    ones, and some parts without a gradient. A head dim that is not a multiple of 16 merges in the gradient's
+    precision first (the same values)."""
+    mod = _mod()
+    g = torch.Generator(device="cuda").manual_seed(T * C + n)
+    x = torch.randn(B, T, C, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(n * C, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
+    b = (0.5 * torch.randn(n * C, device="cuda", generator=g)).to(dtype)
+    douts = [torch.randn(B, H, T, C // H, device="cuda", generator=g).to(dtype) for _ in range(n)]
+
+    def run(kind, st, mode, step):
+        xi, wi, bi = (t.clone().requires_grad_() for t in (x, w, b))
+        if kind == "chain":
+            parts = mod.ag_split_heads(mod.ag_fp8_linear(xi, wi, None, mode, st, 0), bi, n, H)
+        else:
+            parts = mod.ag_fp8_linear_split(xi, wi, bi, n, H, mode, st, 0)
+        if grads == "token_major":  # [B, H, T, D] gradients stored [B, T, H, D]
+            torch.autograd.backward(list(parts), [d.transpose(1, 2).contiguous().transpose(1, 2) for d in douts])
+        elif grads == "plain":
+            torch.autograd.backward(list(parts), douts)
+        else:  # only the last part has a gradient
+            parts[-1].backward(douts[-1])
+        assert xi.grad.abs().sum() > 0
+        return torch.stack(list(parts)).detach(), xi.grad, wi.grad, bi.grad
+
+    _node_equals_chain(run, 3, dtype, ("parts", "dx", "dW"))
 
 
 def test_fp8_ffn_node_errors():
@@ -264,9 +312,9 @@ def test_fp8_ffn_node_errors():
     w2 = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="do not chain"):
         mod.ag_fp8_ffn(x, w1, None, w2.t().contiguous(), "relu", 0.0, 2, st, 0, 1)
-    with pytest.raises(RuntimeError, match="bfloat16 or all float16"):
+    with pytest.raises(RuntimeError, match="both be bfloat16 or float16"):
         mod.ag_fp8_ffn(x, w1.half(), None, w2, "relu", 0.0, 2, st, 0, 1)
-    with pytest.raises(RuntimeError, match="multiples of 16"):
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
         mod.ag_fp8_ffn(x, w1[:40], None, w2[:, :40], "relu", 0.0, 2, st, 0, 1)
     with pytest.raises(RuntimeError, match="bias must be"):
         mod.ag_fp8_ffn(x, w1, torch.zeros(63, device="cuda", dtype=torch.bfloat16), w2, "relu", 0.0, 2, st, 0, 1)
@@ -274,6 +322,16 @@ def test_fp8_ffn_node_errors():
         mod.ag_fp8_ffn(x, w1, None, w2, "relu", 0.0, 2, st, 0, 2)
     with pytest.raises(RuntimeError, match="activation"):
         mod.ag_fp8_ffn(x, w1, None, w2, "tanh", 0.0, 2, st, 0, 1)
+    x3 = x.view(2, 2, 32)
+    w3 = torch.randn(96, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not split into 3 parts of 5 heads"):
+        mod.ag_fp8_linear_split(x3, w3, None, 3, 5, 2, st, 0)
+    with pytest.raises(RuntimeError, match="n must be 1, 2 or 3"):
+        mod.ag_fp8_linear_split(x3, w3, None, 4, 2, 2, st, 0)
+    with pytest.raises(RuntimeError, match="expected \\[batch, length, 32\\]"):
+        mod.ag_fp8_linear_split(x, w3, None, 3, 2, 2, st, 0)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        mod.ag_fp8_linear_split(x3, w3, torch.zeros(95, device="cuda", dtype=torch.bfloat16), 3, 2, 2, st, 0)
 
 
 def test_fp8_linear_errors():
