@@ -213,6 +213,29 @@ std::pair<Tensor, Tensor> act_codes(const char* op, const Tensor& x2_in, const O
   return {q, q_t};
 }
 
+// What a cast that also sums columns writes: codes [M, K] (rowwise), transposed codes [K, Mp] (transposed), the bias
+// gradient [K] (need_db; zero when M is 0) and the fp32 partial sums it is made from.
+struct SummedCodes {
+  Tensor q, q_t, db, ws;
+  int64_t Mp;
+  SummedCodes(const Tensor& like, int64_t M, int64_t K, ls::Fp8Format fmt, bool rowwise, bool transposed,
+              bool need_db)
+      : Mp(padded16(M)) {
+    const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+    if (rowwise) q = at::empty({M, K}, like.options().dtype(qt));
+    if (transposed) q_t = at::empty({K, Mp}, like.options().dtype(qt));
+    if (need_db) {
+      db = M == 0 ? at::zeros({K}, like.options()) : at::empty({K}, like.options());
+      ws = at::empty({ls::fp8_grad_partial_floats(M, K, transposed ? Mp : M)}, like.options().dtype(at::kFloat));
+    }
+  }
+  int64_t out_t_rows(int64_t M) const { return q_t.defined() ? Mp : M; }  // the kernels' Mp argument
+  void* out() const { return q.defined() ? q.data_ptr() : nullptr; }
+  void* out_t() const { return q_t.defined() ? q_t.data_ptr() : nullptr; }
+  void* dbias() const { return db.defined() ? db.data_ptr() : nullptr; }
+  float* partial() const { return ws.defined() ? ws.data_ptr<float>() : nullptr; }
+};
+
 // The codes of dh = the input gradient of a = dropout(act(x2 + bias)) for a's gradient dy2, as bias_act_dropout_bwd
 // returns it, under the gradient row of u (rowwise and/or transposed), and the bias gradient (need_db), from one pass
 // over dy2 under delayed scaling. x2 undefined (relu): mask holds the bits of a > 0; otherwise the keep bits
@@ -228,27 +251,19 @@ std::vector<Tensor> act_grad_codes(const char* op, const Tensor& dy2_in, const O
   }
   const ls::Act act = parse_act(op, activation);
   Tensor dy2 = aligned(contig(dy2_in));
-  const int64_t M = dy2.size(0), K = dy2.size(1), Mp = padded16(M);
+  const int64_t M = dy2.size(0), K = dy2.size(1);
   OptTensor x = present(x2) ? OptTensor(aligned(contig(*x2))) : std::nullopt;
   OptTensor b = channel_param(op, "bias", bias, dy2, K);
   if (present(b)) b = aligned(contig(*b));
-  const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-  Tensor q = rowwise ? at::empty({M, K}, dy2.options().dtype(qt)) : Tensor();
-  Tensor q_t = transposed ? at::empty({K, Mp}, dy2.options().dtype(qt)) : Tensor();
-  Tensor db = need_db ? at::empty({K}, dy2.options()) : Tensor();
-  if (need_db && M == 0) db.zero_();
-  Tensor ws = at::empty({need_db ? ls::fp8_grad_partial_floats(M, K, transposed ? Mp : M) : 0},
-                        dy2.options().dtype(at::kFloat));
+  const SummedCodes c(dy2, M, K, fmt, rowwise, transposed, need_db);
   c10::cuda::CUDAGuard guard(dy2.device());
   launch(op, [&] {
     ls::fp8_act_dropout_grad(to_dtype(op, dy2), dy2.data_ptr(), ptr_or_null(x), ptr_or_null(b),
                              present(mask) ? mask->data_ptr<uint8_t>() : nullptr, M, K, (float)p, act,
-                             u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt,
-                             rowwise ? q.data_ptr() : nullptr, transposed ? q_t.data_ptr() : nullptr,
-                             transposed ? Mp : M, need_db ? db.data_ptr() : nullptr,
-                             need_db ? ws.data_ptr<float>() : nullptr, stream());
+                             u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt, c.out(), c.out_t(),
+                             c.out_t_rows(M), c.dbias(), c.partial(), stream());
   });
-  return {q, q_t, db};
+  return {c.q, c.q_t, c.db};
 }
 
 // The codes of the attention input projection's output gradient, merged from the n head gradients d (undefined:
@@ -277,25 +292,16 @@ std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t 
     keep.push_back(aligned(token_major ? d[i] : d[i].contiguous()));
     ptrs[i] = keep.back().data_ptr();
   }
-  const int64_t Mp = padded16(M);
-  const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-  Tensor q = rowwise ? at::empty({M, K}, ref->options().dtype(qt)) : Tensor();
-  Tensor q_t = transposed ? at::empty({K, Mp}, ref->options().dtype(qt)) : Tensor();
-  Tensor db = need_db ? at::empty({K}, ref->options()) : Tensor();
-  if (need_db && M == 0) db.zero_();
-  Tensor ws = at::empty({need_db ? ls::fp8_grad_partial_floats(M, K, transposed ? Mp : M) : 0},
-                        ref->options().dtype(at::kFloat));
+  const SummedCodes c(*ref, M, K, fmt, rowwise, transposed, need_db);
   c10::cuda::CUDAGuard guard(ref->device());
   launch(op, [&] {
     ls::fp8_merge_heads_grad(to_dtype(op, *ref), ptrs[0], ptrs[1], ptrs[2], checked_int(op, "batch", B),
                              checked_int(op, "length", T), (int)n, checked_int(op, "heads", H),
                              checked_int(op, "head_dim", D), token_major,
-                             u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt,
-                             rowwise ? q.data_ptr() : nullptr, transposed ? q_t.data_ptr() : nullptr,
-                             transposed ? Mp : M, need_db ? db.data_ptr() : nullptr,
-                             need_db ? ws.data_ptr<float>() : nullptr, stream());
+                             u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt, c.out(), c.out_t(),
+                             c.out_t_rows(M), c.dbias(), c.partial(), stream());
   });
-  return {q, q_t, db};
+  return {c.q, c.q_t, c.db};
 }
 
 // The bits of a > 0 in the dropout mask's layout (a's size a multiple of 8)
