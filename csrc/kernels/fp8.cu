@@ -24,7 +24,8 @@
 //
 // The same cast also takes its values straight from dropout(act(x + bias)) (fp8_bias_act_dropout): the FP8 FFN's
 // activation is never written in its own precision, only as codes; and from that activation's backward
-// (fp8_act_dropout_grad): the gradient of the FFN's first projection leaves as codes too, with the bias gradient
+// (fp8_act_dropout_grad) and from the attention heads' gradients (fp8_merge_heads_grad): the output gradients of
+// the FFN's first projection and of the attention's input projection leave as codes too, with their bias gradients
 // summed on the way (per 64-row tile in a fixed order, then colsum_finalize: deterministic).
 //
 // The cast works on 64 x 64 tiles: 256 threads each convert 16 consecutive elements of a row and store them as one
