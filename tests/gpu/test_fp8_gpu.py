@@ -163,55 +163,12 @@ def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias, 
         torch.testing.assert_close(b.grad.float(), dy.float().sum(0), rtol=ulp, atol=ulp * rows ** 0.5)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
-@pytest.mark.parametrize("p", [0.0, 0.3])
-@pytest.mark.parametrize("keep", [True, False], ids=["keep_codes", "recompute"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 61, 256), (2, 8, 4096)])
-def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep, dtype, shape):
-    """The FP8 FFN (ag_bias_act_linear under FP8) writes dropout(act(x + b)) only as e4m3 codes, from one pass
-    over x; relu with the codes kept keeps only the bits of a > 0 (in place of the keep mask), otherwise relu' comes
-    from x. Output, mask, every gradient and the FP8 state equal those of the stored pair (bias_act_dropout, then
-    the FP8 linear node) bit for bit, over a current-scaling step and two delayed ones, with the transposed codes
-    kept or made again in the backward."""
-    mod = _mod()
-    gf = fp8.E5M2
-    F = shape[-1]
-    g = torch.Generator(device="cuda").manual_seed(F)
-    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
-    b = torch.randn(F, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(48, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
-    dy = torch.randn(*shape[:-1], 48, device="cuda", generator=g).to(dtype)
-    states = [torch.zeros(3, fp8.WIDTH, device="cuda") for _ in range(2)]
-    for step in range(3):
-        mode = 1 + gf + (2 if step == 0 else 0)
-        results = []
-        for fused, st in zip((True, False), states):
-            if step > 0:
-                mod.fp8_roll(st, gf)
-            xi, bi, wi = (t.clone().requires_grad_() for t in (x, b, w))
-            torch.manual_seed(7 + step)
-            if fused:
-                y, mask = mod.ag_bias_act_linear(xi, bi, wi, activation, p, mode, st, 0, keep)
-            else:
-                a, mask = mod.ag_bias_act_dropout(xi, bi, activation, p)
-                y = mod.ag_fp8_linear(a, wi, None, mode, st, 0)
-                if activation == "relu" and keep:  # the fused node keeps the bits of a > 0 instead of the keep bits
-                    bit = (a.detach().reshape(-1, 8) > 0).to(torch.uint8)
-                    mask = (bit << torch.arange(8, device="cuda", dtype=torch.uint8)).sum(1).to(torch.uint8)
-            y.backward(dy)
-            results.append((y, mask, xi.grad, bi.grad, wi.grad, st.clone()))
-        for got, want, what in zip(results[0], results[1], ("output", "mask", "dx", "dbias", "dW", "state")):
-            assert torch.equal(got, want), f"step {step}: {what} differs"
-    if p > 0 or (activation == "relu" and keep):
-        assert not bool(results[0][1].eq(255).all())  # something was dropped (or is not positive)
-
-
-def _node_equals_chain(run, state_rows, dtype, names):
+def _node_equals_chain(run, state_rows, dtype, names, bias_sum_reordered=True):
     """run(kind, state, mode, step) -> (values..., bias gradient) of the fused node (kind "node", twice) and of the
     chain it replaces ("chain"), each with its own FP8 state, over a current-scaling step and two delayed ones: the
-    values and the states are equal bit for bit, the bias gradient is the same fp32 sum in another order (equal
-    under current scaling, within one rounding after), and the node gives the same results run to run."""
+    values and the states are equal bit for bit, and the node gives the same results run to run. The bias gradient
+    is equal bit for bit too, unless the node sums it in another order (bias_sum_reordered: equal under current
+    scaling, within one rounding after). Returns the node's results of the last step."""
     gf = fp8.E5M2
     states = [torch.zeros(state_rows, fp8.WIDTH, device="cuda") for _ in range(3)]
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
@@ -227,12 +184,51 @@ def _node_equals_chain(run, state_rows, dtype, names):
         for got, want, what in zip(node[:-1], chain[:-1], (*names, "state")):
             assert torch.equal(got, want), f"step {step}: {what} differs"
         assert all(torch.equal(a, b) for a, b in zip(node, again)), f"step {step}: not the same run to run"
-        if step == 0:
-            assert torch.equal(node[-1], chain[-1])
+        if step == 0 or not bias_sum_reordered:
+            assert torch.equal(node[-1], chain[-1]), f"step {step}: bias gradient differs"
         else:
             torch.testing.assert_close(node[-1].float(), chain[-1].float(), rtol=ulp,
                                        atol=ulp * chain[-1].float().abs().max().item())
         assert node[-1].abs().sum() > 0
+    return node
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("keep", [True, False], ids=["keep_codes", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 61, 256), (2, 8, 4096)])
+def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep, dtype, shape):
+    """The FP8 FFN (ag_bias_act_linear under FP8) writes dropout(act(x + b)) only as e4m3 codes, from one pass
+    over x; relu with the codes kept keeps only the bits of a > 0 (in place of the keep mask), otherwise relu' comes
+    from x. Output, mask, every gradient and the FP8 state equal those of the stored pair (bias_act_dropout, then
+    the FP8 linear node) bit for bit (_node_equals_chain), with the transposed codes kept or made again in the
+    backward."""
+    mod = _mod()
+    F = shape[-1]
+    g = torch.Generator(device="cuda").manual_seed(F)
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    b = torch.randn(F, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(48, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
+    dy = torch.randn(*shape[:-1], 48, device="cuda", generator=g).to(dtype)
+
+    def run(kind, st, mode, step):
+        xi, bi, wi = (t.clone().requires_grad_() for t in (x, b, w))
+        torch.manual_seed(7 + step)
+        if kind == "node":
+            y, mask = mod.ag_bias_act_linear(xi, bi, wi, activation, p, mode, st, 0, keep)
+        else:
+            a, mask = mod.ag_bias_act_dropout(xi, bi, activation, p)
+            y = mod.ag_fp8_linear(a, wi, None, mode, st, 0)
+            if activation == "relu" and keep:  # the fused node keeps the bits of a > 0 instead of the keep bits
+                bit = (a.detach().reshape(-1, 8) > 0).to(torch.uint8)
+                mask = (bit << torch.arange(8, device="cuda", dtype=torch.uint8)).sum(1).to(torch.uint8)
+        y.backward(dy)
+        return y, mask, xi.grad, wi.grad, bi.grad
+
+    node = _node_equals_chain(run, 3, dtype, ("output", "mask", "dx", "dW"), bias_sum_reordered=False)
+    if p > 0 or (activation == "relu" and keep):
+        assert not bool(node[1].eq(255).all())  # something was dropped (or is not positive)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
