@@ -225,13 +225,20 @@ def fp8_linear_reference(x, weight, bias, use: Fp8Use):
     return _Fp8LinearReference.apply(x, weight, bias, use)
 
 
+def _fp8_extension(x, entry: str):
+    """The extension when it can run its FP8 node ``entry`` on x (a bf16/fp16 CUDA tensor), else None."""
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    mod = _ext.get()
+    return mod if mod is not None and hasattr(mod, entry) else None
+
+
 def fp8_linear(x, weight, bias, use: Fp8Use):
     """x W^T (+ b) with FP8 GEMMs: the C++ node on CUDA (bf16/fp16), the fp32 reference elsewhere."""
     if not shapes_ok(weight):
         raise ValueError(f"fp8_linear: weight {tuple(weight.shape)} has a size that is not a multiple of 16")
-    mod = _ext.get()
-    if (x.is_cuda and mod is not None and hasattr(mod, "ag_fp8_linear")
-            and x.dtype in (torch.float16, torch.bfloat16)):
+    mod = _fp8_extension(x, "ag_fp8_linear")
+    if mod is not None:
         return mod.ag_fp8_linear(x, weight, bias, use.mode, use.state, use.slot)
     return fp8_linear_reference(x, weight, bias, use)
 
@@ -242,11 +249,7 @@ def fp8_split_node(x, weight, use: Optional[Fp8Use]):
     CUDA input [B, T, C]. The C++ layers take the same node under the same conditions (csrc/torch/layers.cpp)."""
     if use is None or not shapes_ok(weight) or x.dim() != 3:
         return None
-    mod = _ext.get()
-    if (not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or mod is None
-            or not hasattr(mod, "ag_fp8_linear_split")):
-        return None
-    return mod
+    return _fp8_extension(x, "ag_fp8_linear_split")
 
 
 def fp8_ffn_node(x, w1, w2, use1: Optional[Fp8Use], use2: Optional[Fp8Use]):
@@ -255,10 +258,7 @@ def fp8_ffn_node(x, w1, w2, use1: Optional[Fp8Use], use2: Optional[Fp8Use]):
     under the same conditions (csrc/torch/layers.cpp)."""
     if use1 is None or use2 is None or use1.mode != use2.mode or not (shapes_ok(w1) and shapes_ok(w2)):
         return None
-    mod = _ext.get()
-    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or mod is None or not hasattr(mod, "ag_fp8_ffn"):
-        return None
-    return mod
+    return _fp8_extension(x, "ag_fp8_ffn")
 
 
 def fp8_unavailable_reason(device: torch.device, dtype: torch.dtype):
