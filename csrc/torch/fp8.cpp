@@ -56,15 +56,23 @@ void check_state(const char* op, const Tensor& state, int64_t rows_needed, const
            " rows, this layer needs ", rows_needed);
 }
 
+// Uninitialised codes of a [M, K] tensor in format fmt: [M, K] (rowwise) and [K, padded16(M)] (transposed), each
+// or undefined
+std::pair<Tensor, Tensor> empty_codes(const Tensor& like, int64_t M, int64_t K, ls::Fp8Format fmt, bool rowwise,
+                                      bool transposed) {
+  const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+  return {rowwise ? at::empty({M, K}, like.options().dtype(qt)) : Tensor(),
+          transposed ? at::empty({K, padded16(M)}, like.options().dtype(qt)) : Tensor()};
+}
+
 // [codes [M, K] or undefined, transposed codes [K, Mp] or undefined] of a 2-d tensor under state row `row`
 std::pair<Tensor, Tensor> quantize(const char* op, const Tensor& x2_in, const Tensor& state, int64_t row,
                                    ls::Fp8Format fmt, bool current, bool rowwise, bool transposed) {
   Tensor x2 = aligned(contig(x2_in));
   const ls::DType dt = to_dtype(op, x2);
   const int64_t M = x2.size(0), K = x2.size(1), Mp = padded16(M);
-  const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-  Tensor q = rowwise ? at::empty({M, K}, x2.options().dtype(qt)) : Tensor();
-  Tensor q_t = transposed ? at::empty({K, Mp}, x2.options().dtype(qt)) : Tensor();
+  Tensor q, q_t;  // (not a structured binding: the launch lambda captures them)
+  std::tie(q, q_t) = empty_codes(x2, M, K, fmt, rowwise, transposed);
   c10::cuda::CUDAGuard guard(x2.device());
   launch(op, [&] {
     ls::fp8_quantize(dt, x2.data_ptr(), M, K, state.data_ptr<float>() + row * ls::kFp8Width, fmt, current,
@@ -199,8 +207,8 @@ std::pair<Tensor, Tensor> act_codes(const char* op, const Tensor& x2_in, const O
     mask = at::empty({drop || positive_bits ? ls::mask_bytes(x2.numel()) : 0}, x2.options().dtype(at::kByte));
     if (drop) rng = philox_args();
   }
-  Tensor q = rowwise ? at::empty({M, K}, x2.options().dtype(at::kFloat8_e4m3fn)) : Tensor();
-  Tensor q_t = transposed ? at::empty({K, Mp}, x2.options().dtype(at::kFloat8_e4m3fn)) : Tensor();
+  Tensor q, q_t;
+  std::tie(q, q_t) = empty_codes(x2, M, K, ls::Fp8Format::E4M3, rowwise, transposed);
   uint8_t* keep = drop && !(draw && positive_bits) ? mask.data_ptr<uint8_t>() : nullptr;
   uint8_t* positive = draw && positive_bits && x2.numel() > 0 ? mask.data_ptr<uint8_t>() : nullptr;
   c10::cuda::CUDAGuard guard(x2.device());
@@ -221,9 +229,7 @@ struct SummedCodes {
   SummedCodes(const Tensor& like, int64_t M, int64_t K, ls::Fp8Format fmt, bool rowwise, bool transposed,
               bool need_db)
       : Mp(padded16(M)) {
-    const auto qt = fmt == ls::Fp8Format::E4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
-    if (rowwise) q = at::empty({M, K}, like.options().dtype(qt));
-    if (transposed) q_t = at::empty({K, Mp}, like.options().dtype(qt));
+    std::tie(q, q_t) = empty_codes(like, M, K, fmt, rowwise, transposed);
     if (need_db) {
       db = M == 0 ? at::zeros({K}, like.options()) : at::empty({K}, like.options());
       ws = at::empty({ls::fp8_grad_partial_floats(M, K, transposed ? Mp : M)}, like.options().dtype(at::kFloat));
@@ -364,8 +370,7 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
                                const Tensor& w2, const std::string& activation, double p, int64_t mode,
                                const Tensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
     const char* op = "fp8_ffn";
-    const Use u1 = use_of(op, mode, state, slot1, x);
-    use_of(op, mode, state, slot2, x);
+    const Use u1 = use_of(op, mode, state, slot1, x);  // slot2: checked by ag_fp8_ffn and fp8_act_linear_forward
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
     auto f1 = linear_forward(x2, w1, std::nullopt, u1, w1.requires_grad());  // [h2, xq_t, w1q_t, sx, sw1]
     const bool relu_bits = keep_codes && activation == "relu";  // relu's backward needs only the bits of a > 0

@@ -159,7 +159,7 @@ Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, cons
     h = ag_bias_act_linear(h, w[9], w[10], activation, a.p.act, f.mode, f.state, f.slot, !recompute)[0];
   } else {
     h = ag_bias_act_dropout(h, w[9], activation, a.p.act)[0];
-    h = ag_linear_mode(h, w[10], std::nullopt, a.fp8.at(3));
+    h = ag_linear_mode(h, w[10], std::nullopt, f);
   }
   return block_output(h, w[11], residual, a, w[6], w[7], eps);
 }
