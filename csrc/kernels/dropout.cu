@@ -25,37 +25,61 @@ __global__ void fused_dropout_fwd_kernel(const T* __restrict__ x, const T* __res
                                          const T* __restrict__ residual, T* __restrict__ out,
                                          uint8_t* __restrict__ mask, int64_t n, int C, float p,
                                          uint32_t threshold, PhiloxArgs rng, const uint8_t* __restrict__ keep = nullptr) {
+  // Groups per thread and iteration: every load of them is issued before their Philox draws, which then overlap
+  // the loads' latency (measured on an H100: the [8192, 4096] relu + dropout 1.22x faster with 2; with a residual,
+  // three loads per group already, 2 was slower).
+  constexpr int U = RESIDUAL ? 1 : 2;
   uint64_t seed = 0, offset = 0;
   if (!REPLAY && mask != nullptr) philox_unpack(rng, seed, offset);
   const float scale = (REPLAY || mask != nullptr) ? 1.f / (1.f - p) : 1.f;
-  const int64_t groups = (n + 7) / 8;
-  for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t i0 = g * 8;
-    const int cnt = (int)min((int64_t)8, n - i0);
-    float v[8], b[8], r[8];
-    if (VEC) load8(x + i0, v); else load_n(x + i0, cnt, v);
-    if (bias != nullptr) {
-      if (VEC) {
-        load8(bias + (int)(i0 % C), b);
-      } else {
+  const int64_t groups = (n + 7) / 8, stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t g0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g0 < groups; g0 += U * stride) {
+    float v[U][8], b[U][8], r[U][8];
+    int cnt[U];
+    uint32_t bits[U];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) b[k] = k < cnt ? to_f(bias[(int)((i0 + k) % C)]) : 0.f;
+    for (int u = 0; u < U; ++u) {
+      const int64_t g = g0 + u * stride, i0 = g * 8;
+      cnt[u] = g < groups ? (int)min((int64_t)8, n - i0) : 0;
+      if (cnt[u] == 0) continue;
+      if (VEC) load8(x + i0, v[u]); else load_n(x + i0, cnt[u], v[u]);
+      if (bias != nullptr) {
+        if (VEC) {
+          load8(bias + (int)(i0 % C), b[u]);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) b[u][k] = k < cnt[u] ? to_f(bias[(int)((i0 + k) % C)]) : 0.f;
+        }
+      }
+      if (RESIDUAL) {
+        if (VEC) load8(residual + i0, r[u]); else load_n(residual + i0, cnt[u], r[u]);
       }
     }
-    bias_act8<A>(v, bias != nullptr ? b : nullptr);
-    if (REPLAY) {
-      keep8(v, keep[g], scale);
-    } else if (mask != nullptr) {
-      const uint32_t bits = dropout_bits(g, seed, offset, threshold);
-      keep8(v, bits, scale);
-      mask[g] = (uint8_t)bits;
-    }
-    if (RESIDUAL) {
-      if (VEC) load8(residual + i0, r); else load_n(residual + i0, cnt, r);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] += r[k];
+    for (int u = 0; u < U; ++u) {
+      const int64_t g = g0 + u * stride;
+      bits[u] = 0u;
+      if (cnt[u] == 0) continue;
+      if (REPLAY) bits[u] = keep[g];
+      else if (mask != nullptr) bits[u] = dropout_bits(g, seed, offset, threshold);
     }
-    if (VEC) store8(out + i0, v); else store_n(out + i0, cnt, v);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cnt[u] == 0) continue;
+      const int64_t g = g0 + u * stride, i0 = g * 8;
+      bias_act8<A>(v[u], bias != nullptr ? b[u] : nullptr);
+      if (REPLAY) {
+        keep8(v[u], bits[u], scale);
+      } else if (mask != nullptr) {
+        keep8(v[u], bits[u], scale);
+        mask[g] = (uint8_t)bits[u];
+      }
+      if (RESIDUAL) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[u][k] += r[u][k];
+      }
+      if (VEC) store8(out + i0, v[u]); else store_n(out + i0, cnt[u], v[u]);
+    }
   }
 }
 
