@@ -43,7 +43,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 1184;  // 8 per SM on a 148-SM chip: enough to fill the grid-stride loops
 constexpr int kTile = 64;
-constexpr int kTileStride = kTile + 16;  // bytes per row of the shared transposed tile (16-byte aligned rows)
 
 __device__ __forceinline__ float scale_from_bits(unsigned amax_bits, Fp8Format fmt) {
   if (amax_bits >= 0x7f800000u) return __int_as_float(0x7fc00000);  // inf or NaN: NaN scale
@@ -258,7 +257,7 @@ template <typename Source>
 __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt, bool current,
                             uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp,
                             float* __restrict__ partial = nullptr) {
-  __shared__ __align__(16) uint8_t tile_t[kTile * kTileStride];
+  __shared__ __align__(16) uint8_t tile_t[2][kTile * kTile];  // two buffers: one barrier per tile
   const float s = current ? scale_from_bits(__float_as_uint(row[kFp8Amax]), fmt) : row[kFp8Scale];
   if (current && blockIdx.x == 0 && threadIdx.x == 0) {
     row[kFp8Scale] = s;
@@ -267,8 +266,9 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
   const int64_t tiles_m = (Mp + kTile - 1) / kTile, tiles_k = (K + kTile - 1) / kTile;
   const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;  // this thread's row and first column in a tile
   unsigned m = 0u;
+  int buf = 0;
   src.begin();
-  for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x) {
+  for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x, buf ^= 1) {
     const int64_t m0 = (t / tiles_k) * kTile, k0 = (t % tiles_k) * kTile;
     const int64_t i = m0 + r, j = k0 + c;
     float v[16], raw[16];
@@ -291,14 +291,19 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
     }
     if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
     if (out_t != nullptr) {
+      // Transposed row x of the tile holds its 16-byte chunk q at chunk q ^ (x / 16) % 4: the byte stores of a warp
+      // (8 rows, 4 chunks) then hit distinct banks. The buffer written here is read again only after the next
+      // tile's barrier, which every thread reaches after its read below.
       const uint8_t* b = reinterpret_cast<const uint8_t*>(&packed);
+      uint8_t* tb = tile_t[buf];
+      const int at = (((r >> 4) ^ (c >> 4)) & 3) * 16 + (r & 15);  // row r's byte in transposed rows c .. c + 15
 #pragma unroll
-      for (int k = 0; k < 16; ++k) tile_t[(c + k) * kTileStride + r] = b[k];
+      for (int k = 0; k < 16; ++k) tb[(c + k) * kTile + at] = b[k];
       __syncthreads();
       const int64_t jt = k0 + r, it = m0 + c;  // transposed: row jt of out_t, its columns it .. it + 15
       if (jt < K && it < Mp)
-        *reinterpret_cast<uint4*>(out_t + jt * Mp + it) = *reinterpret_cast<const uint4*>(tile_t + r * kTileStride + c);
-      __syncthreads();
+        *reinterpret_cast<uint4*>(out_t + jt * Mp + it) =
+            *reinterpret_cast<const uint4*>(tb + r * kTile + (((c >> 4) ^ (r >> 4)) & 3) * 16);
     }
   }
   if (!current) {
