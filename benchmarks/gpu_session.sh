@@ -3,10 +3,13 @@
 #
 #   bash benchmarks/gpu_session.sh                      # everything (about 15 minutes on one H100)
 #   STEPS="build tests" bash benchmarks/gpu_session.sh  # a subset: build tests ops attention train
+#   STEPS="build fp8 profile" bash benchmarks/gpu_session.sh  # optional steps: --fp8 against bf16 (per projection
+#                                                             # and training), the graphed step's kernel profile
 #
 # Knobs: OUT (logs, default ./gpu_session_logs), DATA (training corpus, made by make_wmt_synth.py when absent),
 # MAX_TOKENS (default 4096,8192), KINDS (default native,ls_eager,ls), EPOCHS (default 2), TESTS (pytest's
-# arguments for the tests step, default tests/gpu; e.g. TESTS="tests/gpu -k 'not multi_gpu'" to split the suite).
+# arguments for the tests step, default tests/gpu; e.g. TESTS="tests/gpu -k 'not multi_gpu'" to split the suite),
+# PROFILE_TOKENS (the profile step's --max-tokens, default 8192; it profiles bf16, then bf16 with --fp8).
 # The last lines of each step's log are printed; whole logs stay under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,4 +40,23 @@ if step train; then
     --archs transformer_wmt_en_de_big_t2t --max-tokens "${MAX_TOKENS:-4096,8192}" \
     --kinds "${KINDS:-native,ls_eager,ls}" --epochs "${EPOCHS:-2}" 2>&1 | tee "$OUT/bench_train.log" | grep -E "RATIO|^\|"
   grep -h "step timing\|CUDA-graph step:" "$OUT"/train/*.log | cut -c1-300
+fi
+if step fp8; then
+  python benchmarks/bench_ops.py --fp8 --tokens 8192 4096 2>&1 | tee "$OUT/bench_ops_fp8.log" | grep -E "^\||saves"
+  [[ -f "$DATA/dict.src.txt" ]] || python benchmarks/make_wmt_synth.py "$DATA" > /dev/null
+  LS_FAIRSEQ_STEP_TIMING=1 python benchmarks/bench_train.py --out "$OUT/train_fp8" --data "$DATA" \
+    --archs transformer_wmt_en_de_big_t2t --max-tokens "${MAX_TOKENS:-4096,8192}" --kinds ls,ls_fp8 \
+    --precision bf16 --epochs "${EPOCHS:-2}" 2>&1 | tee "$OUT/bench_train_fp8.log" | grep -E "^\|"
+  grep -h "step timing" "$OUT"/train_fp8/*.log | cut -c1-200
+fi
+if step profile; then
+  [[ -f "$DATA/dict.src.txt" ]] || python benchmarks/make_wmt_synth.py "$DATA" > /dev/null
+  for extra in "" "--fp8"; do
+    python benchmarks/profile_step.py "$DATA" --user-dir ls_fairseq --task translation \
+      --arch ls_transformer_wmt_en_de_big_t2t --share-all-embeddings --optimizer ls_adam \
+      --criterion ls_label_smoothed_cross_entropy --label-smoothing 0.1 --lr 5e-4 --lr-scheduler inverse_sqrt \
+      --warmup-updates 4000 --adam-betas "(0.9,0.98)" --max-tokens "${PROFILE_TOKENS:-8192}" --bf16 \
+      --ls-graph-step on --batches 16 --top 40 $extra > "$OUT/profile_bf16${extra/--/_}.log" 2>&1
+    grep -A25 "^PROFILE" "$OUT/profile_bf16${extra/--/_}.log" | cut -c1-160
+  done
 fi
