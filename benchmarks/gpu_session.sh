@@ -19,6 +19,19 @@ STEPS="${STEPS:-build tests ops attention train}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step() { [[ " $STEPS " == *" $1 "* ]]; }
+# the training corpus, made when absent
+corpus() { [[ -f "$DATA/dict.src.txt" ]] || python benchmarks/make_wmt_synth.py "$DATA" > /dev/null; }
+# train_bench NAME KINDS [bench_train.py flags]: bench_train.py over MAX_TOKENS into $OUT/NAME (summary in
+# $OUT/bench_NAME.log); prints its table and the runs' step timings
+train_bench() {
+  local name=$1 kinds=$2
+  shift 2
+  corpus
+  LS_FAIRSEQ_STEP_TIMING=1 python benchmarks/bench_train.py --out "$OUT/$name" --data "$DATA" \
+    --archs transformer_wmt_en_de_big_t2t --max-tokens "${MAX_TOKENS:-4096,8192}" --kinds "$kinds" \
+    --epochs "${EPOCHS:-2}" "$@" 2>&1 | tee "$OUT/bench_$name.log" | grep -E "RATIO|^\|"
+  grep -h "step timing\|CUDA-graph step:" "$OUT/$name"/*.log | cut -c1-300
+}
 
 if step build; then
   (time python setup.py build_ext --inplace) > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
@@ -35,22 +48,14 @@ if step attention; then
   python benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attention.log" | tail -26
 fi
 if step train; then
-  [[ -f "$DATA/dict.src.txt" ]] || python benchmarks/make_wmt_synth.py "$DATA" > /dev/null
-  LS_FAIRSEQ_STEP_TIMING=1 python benchmarks/bench_train.py --out "$OUT/train" --data "$DATA" \
-    --archs transformer_wmt_en_de_big_t2t --max-tokens "${MAX_TOKENS:-4096,8192}" \
-    --kinds "${KINDS:-native,ls_eager,ls}" --epochs "${EPOCHS:-2}" 2>&1 | tee "$OUT/bench_train.log" | grep -E "RATIO|^\|"
-  grep -h "step timing\|CUDA-graph step:" "$OUT"/train/*.log | cut -c1-300
+  train_bench train "${KINDS:-native,ls_eager,ls}"
 fi
 if step fp8; then
   python benchmarks/bench_ops.py --fp8 --tokens 8192 4096 2>&1 | tee "$OUT/bench_ops_fp8.log" | grep -E "^\||saves"
-  [[ -f "$DATA/dict.src.txt" ]] || python benchmarks/make_wmt_synth.py "$DATA" > /dev/null
-  LS_FAIRSEQ_STEP_TIMING=1 python benchmarks/bench_train.py --out "$OUT/train_fp8" --data "$DATA" \
-    --archs transformer_wmt_en_de_big_t2t --max-tokens "${MAX_TOKENS:-4096,8192}" --kinds ls,ls_fp8 \
-    --precision bf16 --epochs "${EPOCHS:-2}" 2>&1 | tee "$OUT/bench_train_fp8.log" | grep -E "^\|"
-  grep -h "step timing" "$OUT"/train_fp8/*.log | cut -c1-200
+  train_bench train_fp8 ls,ls_fp8 --precision bf16
 fi
 if step profile; then
-  [[ -f "$DATA/dict.src.txt" ]] || python benchmarks/make_wmt_synth.py "$DATA" > /dev/null
+  corpus
   for extra in "" "--fp8"; do
     python benchmarks/profile_step.py "$DATA" --user-dir ls_fairseq --task translation \
       --arch ls_transformer_wmt_en_de_big_t2t --share-all-embeddings --optimizer ls_adam \
