@@ -437,3 +437,91 @@ def test_layer_calls_refuse_bad_arguments_with_clear_errors(nodes):
     with pytest.raises(Exception, match=r"dropout probability must be in \[0, 1\), got 1"):  # the cross-attention's
         nodes.decoder_layer_fwd(x, k, k, None, None, dec.cpp_weights(), dec.cpp_eps(), 4, 0.0, 0.0, 0.0, 1.0,
                                 "relu", False, 64)
+
+
+def _packed_rows(pad_mask):
+    """[1, N] packing of a [B, T] batch: (index of the real rows in the flattened batch, Varlen pieces)."""
+    real = ~pad_mask
+    lengths = real.sum(1)
+    cu = torch.zeros(real.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    return real.reshape(-1).nonzero().squeeze(1), cu, int(lengths.max())
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "cpp"])
+@pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
+def test_packed_encoder_layer_equals_the_padded_layer(layer_path, cpp, pre):
+    """Packed sentences ([1, tokens, C], attention within each sentence's rows) give the padded layer's
+    outputs at the real positions, and the same weight gradients, through the Python layer and the C++ call."""
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+    from ls_fairseq.ops.attention import Varlen
+
+    torch.manual_seed(3)
+    layer = EncoderLayer(16, 32, 4, dropout=0.0, activation="relu", normalize_before=pre).double()
+    kpm = _pad_mask(3, 7, [7, 4, 2], left=True)
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    idx, cu, m = _packed_rows(kpm)
+    layer_path(cpp)
+    y = layer(x, kpm).reshape(-1, 16).index_select(0, idx)
+    yp = layer(x.reshape(-1, 16).index_select(0, idx).unsqueeze(0), None, Varlen(cu, cu, m, m))
+    assert yp.shape == (1, idx.numel(), 16)
+    torch.testing.assert_close(yp[0], y)
+    gy = torch.randn(y.shape, dtype=y.dtype)
+    params = list(layer.parameters())
+    for a, b in zip(torch.autograd.grad((yp[0] * gy).sum(), params), torch.autograd.grad((y * gy).sum(), params)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("cpp", [False, True], ids=["python", "cpp"])
+def test_packed_decoder_layer_equals_the_padded_layer(layer_path, cpp):
+    """The decoder layer over packed sentences: causal self-attention within each target sentence,
+    cross-attention from its rows to its own source sentence's rows."""
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+    from ls_fairseq.ops.attention import Varlen
+
+    torch.manual_seed(4)
+    layer = DecoderLayer(16, 32, 4, dropout=0.0, activation="relu", normalize_before=True).double()
+    tgt_pad, src_pad = _pad_mask(3, 6, [6, 4, 1]), _pad_mask(3, 9, [9, 5, 3], left=True)
+    x = torch.randn(3, 6, 16, dtype=torch.float64)
+    k = torch.randn(3, 4, 9, 4, dtype=torch.float64)
+    v = torch.randn(3, 4, 9, 4, dtype=torch.float64)
+    ti, cu_t, mt = _packed_rows(tgt_pad)
+    si, cu_s, ms = _packed_rows(src_pad)
+
+    def pack_heads(t):  # [B, H, S, D] -> [1, H, Ns, D]
+        return t.transpose(1, 2).reshape(-1, 4, 4).index_select(0, si).transpose(0, 1).unsqueeze(0)
+
+    layer_path(cpp)
+    y = layer(x, k, v, src_pad, None).reshape(-1, 16).index_select(0, ti)
+    yp = layer(x.reshape(-1, 16).index_select(0, ti).unsqueeze(0), pack_heads(k), pack_heads(v), None, None,
+               varlen=Varlen(cu_t, cu_s, mt, ms))
+    torch.testing.assert_close(yp[0], y)
+    gy = torch.randn(y.shape, dtype=y.dtype)
+    params = list(layer.parameters())
+    for a, b in zip(torch.autograd.grad((yp[0] * gy).sum(), params), torch.autograd.grad((y * gy).sum(), params)):
+        torch.testing.assert_close(a, b)
+
+
+def test_packed_layer_calls_refuse_bad_arguments(nodes):
+    from ls_fairseq.modules.decoder_layer import DecoderLayer
+    from ls_fairseq.modules.encoder_layer import EncoderLayer
+
+    enc = EncoderLayer(16, 32, 4, dropout=0.0).double()
+    args = (enc.cpp_weights(), enc.cpp_eps(), 4, 0.0, 0.0, 0.0, "relu", False, 64, 0, None, 0, 0)
+    x = torch.randn(1, 5, 16, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(Exception, match="cu_seqlens must be int32"):
+        nodes.encoder_layer_fwd(x, None, *args, cu.long(), 3)
+    with pytest.raises(Exception, match="one row \\[1, tokens, embed_dim\\]"):
+        nodes.encoder_layer_fwd(torch.randn(2, 5, 16, dtype=torch.float64), None, *args, cu, 3)
+    with pytest.raises(Exception, match="take no padding mask"):
+        nodes.encoder_layer_fwd(x, torch.zeros(1, 5, dtype=torch.bool), *args, cu, 3)
+    with pytest.raises(Exception, match="longest packed sentence"):
+        nodes.encoder_layer_fwd(x, None, *args, cu, 0)
+    dec = DecoderLayer(16, 32, 4, dropout=0.0).double()
+    k = torch.randn(1, 4, 9, 4, dtype=torch.float64)
+    dargs = (dec.cpp_weights(), dec.cpp_eps(), 4, 0.0, 0.0, 0.0, 0.0, "relu", False, 64, 0, None, 0, 0)
+    with pytest.raises(Exception, match="need both cu_tgt and cu_src"):
+        nodes.decoder_layer_fwd(x, k, k, None, None, *dargs, cu, 3, None, 0)
+    with pytest.raises(Exception, match="count the same sentences"):
+        nodes.decoder_layer_fwd(x, k, k, None, None, *dargs, cu, 3, torch.tensor([0, 9], dtype=torch.int32), 9)

@@ -15,6 +15,8 @@
 // eps: the layer norms' eps in the same order (self-attention, final[, encoder-attention]).
 // Dropout probabilities are the effective ones (0 outside training); the decoder's encoder-attention has its own.
 // memory: the memory modes (ops.h: kInvertibleLayerNorm, kRecomputeActivation), as the Python layers apply them.
+// Packed sentences (cu_seqlens / cu_tgt, cu_src given): x is [1, tokens, C] with the sentences back to back, no
+// padding; attention runs over each sentence's rows (the Varlen struct below), everything else is row-wise.
 #include <torch/extension.h>
 
 #include <ATen/Context.h>
@@ -80,9 +82,41 @@ Tensor attend_mask(const Tensor& key_padding_mask) {
   return key_padding_mask.to(at::kBool).bitwise_not().view({key_padding_mask.size(0), 1, 1, key_padding_mask.size(1)});
 }
 
+// Packed sequences (no padding, batch 1): sequence i is rows [cu_q[i], cu_q[i + 1]) of the queries and
+// [cu_k[i], cu_k[i + 1]) of the keys and values; max_q / max_k bound the sequences' lengths.
+struct Varlen {
+  Tensor cu_q, cu_k;
+  int64_t max_q, max_k;
+};
+
+// [Nq, Nk] (true = attend) of packed sequences: within each sequence, causal from its first row (the CPU's way;
+// ls_fairseq/ops/attention.py's reference builds the same)
+Tensor varlen_mask(const Varlen& vl, bool causal) {
+  auto seg_pos = [](const Tensor& cu) {
+    const Tensor c = cu.to(at::kLong);
+    const int64_t n = c.numel() - 1;
+    const Tensor seg = at::repeat_interleave(at::arange(n, c.options()), c.slice(0, 1) - c.slice(0, 0, n));
+    return std::make_pair(seg, at::arange(seg.numel(), c.options()) - c.index_select(0, seg));
+  };
+  auto [sq, pq] = seg_pos(vl.cu_q);
+  auto [sk, pk] = seg_pos(vl.cu_k);
+  Tensor m = sq.unsqueeze(1).eq(sk.unsqueeze(0));
+  return causal ? m.logical_and(pk.unsqueeze(0).le(pq.unsqueeze(1))) : m;
+}
+
 // softmax(q k^T / sqrt(D) + masks) v for q [B, H, T, D], k, v [B, H, S, D]; attend [B, 1, 1, S] or absent.
+// With vl: packed sequences, q [1, H, Nq, D], k, v [1, H, Nk, D]; on CUDA the memory-efficient kernel over them
+// (its layout [1, N, H, D] is a view of ours, and so is its output's).
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal, double p,
-                 int64_t short_len) {
+                 int64_t short_len, const Varlen* vl = nullptr) {
+  if (vl != nullptr) {
+    if (!q.is_cuda()) return at::scaled_dot_product_attention(q, k, v, varlen_mask(*vl, causal), p);
+    const bool grad =
+        at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+    auto r = at::_efficient_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), std::nullopt,
+                                              vl->cu_q, vl->cu_k, vl->max_q, vl->max_k, p, causal ? 1 : 0, grad);
+    return std::get<0>(r).transpose(1, 2);
+  }
   const int64_t Tq = q.size(-2), S = k.size(-2);
   SdpBackends backends(std::max(Tq, S) <= short_len);
   if (!present(attend) && causal && Tq == S) return at::scaled_dot_product_attention(q, k, v, std::nullopt, p, true);
@@ -133,13 +167,13 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
 }
 
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
-                            double eps, const LayerArgs& a) {
+                            double eps, const LayerArgs& a, const Varlen* vl) {
   auto [h, residual] = block_input(x, a, w[0], w[1], eps);
   const Fp8Args f = a.fp8.at(0);
   auto parts = f.mode > 0 && fp8_linear_shapes_ok(w[2])  // FP8: the projection's gradient quantised from the heads'
                    ? ag_fp8_linear_split(h, w[2], w[3], 3, a.num_heads, f.mode, f.state, f.slot)
                    : ag_split_heads(ag_linear_mode(h, w[2], std::nullopt, f), w[3], 3, a.num_heads);
-  Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len);
+  Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len, vl);
   h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8.at(1));
   return block_output(h, w[5], residual, a, w[0], w[1], eps);
 }
@@ -165,11 +199,11 @@ Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, cons
 }
 
 Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, const OptTensor& attend,
-                             const std::vector<Tensor>& w, double eps, const LayerArgs& a) {
+                             const std::vector<Tensor>& w, double eps, const LayerArgs& a, const Varlen* vl) {
   auto [h, residual] = block_input(x, a, w[12], w[13], eps);
   const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
   Tensor q = ag_linear_mode(h, w[14], w[15], a.fp8.at(4)).view({B, T, a.num_heads, C / a.num_heads}).transpose(1, 2);
-  Tensor out = attention(q, k, v, attend, false, a.p.cross_attn, a.short_len);
+  Tensor out = attention(q, k, v, attend, false, a.p.cross_attn, a.short_len, vl);
   h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, a.fp8.at(5));
   return block_output(h, w[17], residual, a, w[12], w[13], eps);
 }
@@ -216,21 +250,38 @@ void check_padding_mask(const char* op, const char* what, const OptTensor& mask,
            x.device().str());
 }
 
+// The packed-sequence arguments of a layer call: cu_seqlens int32 [n + 1] on x's device, x [1, N, C], no masks.
+void check_varlen(const char* op, const char* what, const Tensor& cu, int64_t max_len, const Tensor& x,
+                  const OptTensor& mask) {
+  LS_CHECK(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.numel() >= 2, op, ": ", what,
+           " must be int32 [sentences + 1], got ", cu.scalar_type(), " ", cu.sizes());
+  LS_CHECK(cu.device() == x.device(), op, ": ", what, " is on ", cu.device().str(), ", the input on ",
+           x.device().str());
+  LS_CHECK(max_len >= 1, op, ": the longest packed sentence must be given (>= 1), got ", max_len);
+  LS_CHECK(x.size(0) == 1, op, ": packed sentences come as one row [1, tokens, embed_dim], got ", x.sizes());
+  LS_CHECK(!present(mask), op, ": packed sentences take no padding mask");
+}
+
 }  // namespace
 
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
                          int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
-                         int64_t memory) {
+                         int64_t memory, const OptTensor& cu_seqlens, int64_t max_len) {
   const char* op = "encoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, 0.0};
   check_layer(op, x, weights, 12, eps, 2, num_heads, activation, p);
   const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, Fp8Args{fp8, fp8_state, fp8_slot}, memory);
   check_padding_mask(op, "key_padding_mask", key_padding_mask, x.size(0), x.size(1), x);
+  std::optional<Varlen> vl;
+  if (present(cu_seqlens)) {
+    check_varlen(op, "cu_seqlens", *cu_seqlens, max_len, x, key_padding_mask);
+    vl = Varlen{*cu_seqlens, *cu_seqlens, max_len, max_len};
+  }
   ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor attend = present(key_padding_mask) ? OptTensor(attend_mask(*key_padding_mask)) : std::nullopt;
-  Tensor h = self_attention_block(x, attend, false, weights, eps[0], a);
+  Tensor h = self_attention_block(x, attend, false, weights, eps[0], a, vl ? &*vl : nullptr);
   return ffn_block(h, weights, eps[1], activation, a);
 }
 
@@ -240,7 +291,8 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
                          int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
-                         int64_t memory) {
+                         int64_t memory, const OptTensor& cu_tgt, int64_t max_tgt, const OptTensor& cu_src,
+                         int64_t max_src) {
   const char* op = "decoder_layer";
   const Dropouts p{dropout, activation_dropout, attention_dropout, cross_attention_dropout};
   check_layer(op, x, weights, 18, eps, 3, num_heads, activation, p);
@@ -253,12 +305,22 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
              t->sizes());
   check_padding_mask(op, "encoder_padding_mask", encoder_padding_mask, B, cross_k.size(2), x);
   check_padding_mask(op, "self_attn_padding_mask", self_attn_padding_mask, B, x.size(1), x);
+  std::optional<Varlen> self_vl, cross_vl;
+  LS_CHECK(present(cu_tgt) == present(cu_src), op, ": packed sentences need both cu_tgt and cu_src");
+  if (present(cu_tgt)) {
+    check_varlen(op, "cu_tgt", *cu_tgt, max_tgt, x, self_attn_padding_mask);
+    check_varlen(op, "cu_src", *cu_src, max_src, x, encoder_padding_mask);
+    LS_CHECK(cu_tgt->numel() == cu_src->numel(), op, ": cu_tgt and cu_src must count the same sentences, got ",
+             cu_tgt->numel(), " and ", cu_src->numel(), " entries");
+    self_vl = Varlen{*cu_tgt, *cu_tgt, max_tgt, max_tgt};
+    cross_vl = Varlen{*cu_tgt, *cu_src, max_tgt, max_src};
+  }
   ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor self_attend =
       present(self_attn_padding_mask) ? OptTensor(attend_mask(*self_attn_padding_mask)) : std::nullopt;
   OptTensor enc_attend = present(encoder_padding_mask) ? OptTensor(attend_mask(*encoder_padding_mask)) : std::nullopt;
-  Tensor h = self_attention_block(x, self_attend, true, weights, eps[0], a);
-  h = cross_attention_block(h, cross_k, cross_v, enc_attend, weights, eps[2], a);
+  Tensor h = self_attention_block(x, self_attend, true, weights, eps[0], a, self_vl ? &*self_vl : nullptr);
+  h = cross_attention_block(h, cross_k, cross_v, enc_attend, weights, eps[2], a, cross_vl ? &*cross_vl : nullptr);
   return ffn_block(h, weights, eps[1], activation, a);
 }
 

@@ -38,7 +38,7 @@ void bind_nodes_and_layers(pybind11::module_& m, Wrap wrap) {
         py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),
         py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"), py::arg("activation"),
         py::arg("normalize_before"), py::arg("short_len"), py::arg("fp8") = 0, py::arg("fp8_state") = none,
-        py::arg("fp8_slot") = 0, py::arg("memory") = 0);
+        py::arg("fp8_slot") = 0, py::arg("memory") = 0, py::arg("cu_seqlens") = none, py::arg("max_len") = 0);
   m.def("decoder_layer_fwd", wrap(&decoder_layer_fwd),
         "a decoder layer's full-sequence forward over the nodes above, in one call (layers.cpp)", py::arg("x"),
         py::arg("cross_k"), py::arg("cross_v"), py::arg("encoder_padding_mask") = none,
@@ -46,7 +46,8 @@ void bind_nodes_and_layers(pybind11::module_& m, Wrap wrap) {
         py::arg("dropout"), py::arg("activation_dropout"), py::arg("attention_dropout"),
         py::arg("cross_attention_dropout"), py::arg("activation"), py::arg("normalize_before"),
         py::arg("short_len"), py::arg("fp8") = 0, py::arg("fp8_state") = none, py::arg("fp8_slot") = 0,
-        py::arg("memory") = 0);
+        py::arg("memory") = 0, py::arg("cu_tgt") = none, py::arg("max_tgt") = 0, py::arg("cu_src") = none,
+        py::arg("max_src") = 0);
 }
 
 }  // namespace ls_torch

@@ -69,14 +69,15 @@ Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, con
                          const std::vector<double>& eps, int64_t num_heads, double dropout, double activation_dropout,
                          double attention_dropout, const std::string& activation, bool normalize_before,
                          int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
-                         int64_t memory);
+                         int64_t memory, const OptTensor& cu_seqlens, int64_t max_len);
 Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& cross_v,
                          const OptTensor& encoder_padding_mask, const OptTensor& self_attn_padding_mask,
                          const std::vector<Tensor>& weights, const std::vector<double>& eps, int64_t num_heads,
                          double dropout, double activation_dropout, double attention_dropout,
                          double cross_attention_dropout, const std::string& activation, bool normalize_before,
                          int64_t short_len, int64_t fp8, const OptTensor& fp8_state, int64_t fp8_slot,
-                         int64_t memory);
+                         int64_t memory, const OptTensor& cu_tgt, int64_t max_tgt, const OptTensor& cu_src,
+                         int64_t max_src);
 
 // fp8.cpp: FP8 linear layers with delayed per-tensor scaling (the state and mode are described there).
 struct Fp8Args {

@@ -16,6 +16,7 @@ from fairseq.models import FairseqIncrementalDecoder
 from ls_fairseq import ops
 from ls_fairseq.fairseq_ext import weights
 from ls_fairseq.fairseq_ext.config import activation_dropout_of, setup_embeddings
+from ls_fairseq.fairseq_ext.packing import cross_varlen
 from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.modules.positional import make_positions
@@ -67,25 +68,38 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 features_only: bool = False, full_context_alignment: bool = False,
                 alignment_layer: Optional[int] = None, alignment_heads: Optional[int] = None,
                 src_lengths: Optional[Any] = None, return_all_hiddens: bool = False,
-                logit_rows: Optional[torch.Tensor] = None):
+                logit_rows: Optional[torch.Tensor] = None, packed: Optional[dict] = None):
         """Logits [B, T, V], or with ``logit_rows`` (int64 [N] indices into the B * T flattened
         positions) logits [N, V] of those positions only: the vocabulary projection, its two
         backward GEMMs and the loss then skip padding. ``features_only``: the features before the
-        vocabulary projection (of those rows, with ``logit_rows``)."""
+        vocabulary projection (of those rows, with ``logit_rows``). ``packed``
+        (:mod:`ls_fairseq.fairseq_ext.packing`, with the encoder's packed output): over the real tokens
+        only; needs ``logit_rows``, whose rows it holds in packed numbering."""
         if logit_rows is not None and incremental_state is not None:
             raise ValueError("logit_rows is for training and scoring, not incremental decoding")
+        if packed is not None:
+            if logit_rows is None or incremental_state is not None:
+                raise ValueError("a packed batch is for training and scoring with logit_rows")
+            if logit_rows.shape != packed["rows"].shape:
+                raise ValueError(f"logit_rows {tuple(logit_rows.shape)} and the packing's rows "
+                                 f"{tuple(packed['rows'].shape)} differ: the packing is of another batch")
+            x, extra = self.extract_packed_features(packed, encoder_out, return_all_hiddens)
+            return (x if features_only else self.output_layer(x)), extra
         x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, rows=logit_rows)
         if not features_only:
             x = self.output_layer(x)
         return x, extra
 
-    def _embed(self, prev_output_tokens, incremental: bool):
-        pos = positions = None
+    def _embed(self, prev_output_tokens, incremental: bool, positions=None):
+        pos = None
         if self.embed_positions is not None:
-            positions = make_positions(prev_output_tokens, self.padding_idx)
+            if positions is None:
+                positions = make_positions(prev_output_tokens, self.padding_idx)
             if incremental:
                 positions = positions[:, -1:]
             pos = self.embed_positions.weight_as(self.embed_tokens.weight.dtype, prev_output_tokens.device)
+        else:
+            positions = None
         tokens = prev_output_tokens[:, -1:] if incremental else prev_output_tokens
         return ops.embedding(tokens, self.embed_tokens.weight, pos, positions, scale=self.embed_scale,
                              p=self.dropout, training=self.training, padding_idx=self.padding_idx,
@@ -143,6 +157,28 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             inner_states.append(x.transpose(0, 1))
         if rows is not None:
             x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return x, {"attn": [None], "inner_states": inner_states}
+
+    def extract_packed_features(self, packed, encoder_out, return_all_hiddens: bool = False):
+        """Features [R, C] of the packing's counted rows, over the packed batch (the encoder's output packed
+        with it)."""
+        if encoder_out is None or len(encoder_out["encoder_out"]) == 0:
+            raise ValueError("ls_transformer's decoder needs the encoder output")
+        x = self._embed(packed["tgt_tokens"], False, packed["tgt_positions"])  # [1, Nt, C]
+        kv = self._cross_kv(encoder_out, None)  # each [1, H, Ns, D]
+        varlen = cross_varlen(packed)
+        inner_states: List[Optional[torch.Tensor]] = [x.transpose(0, 1)]
+        for i, layer in enumerate(self.layers):
+            k, v = kv[2 * i], kv[2 * i + 1]
+            if self.checkpoint_activations and self.training:
+                x = checkpoint(layer, x, k, v, None, None, None, varlen, use_reentrant=False)
+            else:
+                x = layer(x, k, v, None, None, varlen=varlen)
+            if return_all_hiddens:
+                inner_states.append(x.transpose(0, 1))
+        x = x.view(-1, x.shape[-1]).index_select(0, packed["rows"])
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         return x, {"attn": [None], "inner_states": inner_states}

@@ -16,6 +16,7 @@ from ls_fairseq import ops
 from ls_fairseq.fairseq_ext import weights
 from ls_fairseq.fairseq_ext.config import activation_dropout_of, setup_embeddings
 from ls_fairseq.fairseq_ext.fp8_mode import check_fp8_device
+from ls_fairseq.fairseq_ext.packing import self_varlen
 from ls_fairseq.modules.encoder_layer import EncoderLayer
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.modules.positional import make_positions
@@ -43,20 +44,28 @@ class LSTransformerEncoder(FairseqEncoder):
             return self.max_source_positions
         return min(self.max_source_positions, self.embed_positions.max_positions)
 
-    def forward_embedding(self, src_tokens):
-        pos = positions = None
+    def forward_embedding(self, src_tokens, positions=None):
+        """Token and position embeddings [B, T, C]; ``positions`` (optional): fairseq's position numbers of
+        the tokens (a packed batch's, whose padding is gone)."""
+        pos = None
         if self.embed_positions is not None:
-            positions = make_positions(src_tokens, self.padding_idx)
+            if positions is None:
+                positions = make_positions(src_tokens, self.padding_idx)
             pos = self.embed_positions.weight_as(self.embed_tokens.weight.dtype, src_tokens.device)
+        else:
+            positions = None
         return ops.embedding(src_tokens, self.embed_tokens.weight, pos, positions, scale=self.embed_scale,
                              p=self.dropout, training=self.training, padding_idx=self.padding_idx,
                              zero_pad=True)
 
     def forward(self, src_tokens, src_lengths: Optional[torch.Tensor] = None, return_all_hiddens: bool = False,
-                token_embeddings: Optional[torch.Tensor] = None, src_has_padding: Optional[bool] = None):
+                token_embeddings: Optional[torch.Tensor] = None, src_has_padding: Optional[bool] = None,
+                packed: Optional[dict] = None):
         """fairseq's encoder forward. ``src_has_padding`` (optional): whether ``src_tokens`` holds any
         padding, when the caller already knows it from the batch on the host (lightseq-train's trainer
-        does); without it the encoder tests the tokens on the GPU, which makes the host wait."""
+        does); without it the encoder tests the tokens on the GPU, which makes the host wait.
+        ``packed`` (:mod:`ls_fairseq.fairseq_ext.packing`): run over the batch's real tokens only; the
+        output is then packed too ("encoder_out" [tokens, 1, C], no padding mask)."""
         if token_embeddings is not None:
             raise ValueError("ls_transformer does not accept precomputed token_embeddings")
         if self.training and self.fp8_state is not None:  # a training forward begins: the FP8 scales for it
@@ -70,6 +79,8 @@ class LSTransformerEncoder(FairseqEncoder):
                 f"source sequence of length {T} exceeds the model's maximum of {self.max_positions()} positions "
                 "(--max-source-positions; fairseq skips such samples with --skip-invalid-size-inputs-valid-test)"
             )
+        if packed is not None:
+            return self._forward_packed(packed, src_lengths, return_all_hiddens)
         padding_mask = src_tokens.eq(self.padding_idx)
         # fairseq sorts batches by length, so many have no source padding at all; without a
         # mask attention takes the flash kernels. This is the forward pass's only host-side
@@ -88,15 +99,22 @@ class LSTransformerEncoder(FairseqEncoder):
                 states.append(x.transpose(0, 1))
         if self.layer_norm is not None:
             x = self.layer_norm(x)
-        return {
-            "encoder_out": [x.transpose(0, 1)],  # T x B x C
-            "encoder_padding_mask": [padding_mask] if has_pads else [],  # B x T
-            "encoder_embedding": [],
-            "encoder_states": states,
-            "fc_results": [],
-            "src_tokens": [],
-            "src_lengths": [src_lengths] if src_lengths is not None else [],
-        }
+        return _output(x, [padding_mask] if has_pads else [], states, src_lengths)
+
+    def _forward_packed(self, packed, src_lengths, return_all_hiddens: bool):
+        x = self.forward_embedding(packed["src_tokens"], packed["src_positions"])  # [1, N, C]
+        varlen = self_varlen(packed, "src")
+        states: List[torch.Tensor] = []
+        for layer in self.layers:
+            if self.checkpoint_activations and self.training:
+                x = checkpoint(layer, x, None, varlen, use_reentrant=False)
+            else:
+                x = layer(x, None, varlen)
+            if return_all_hiddens:
+                states.append(x.transpose(0, 1))
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return _output(x, [], states, src_lengths)
 
     @torch.jit.export
     def reorder_encoder_out(self, encoder_out: Dict[str, List[torch.Tensor]], new_order):
@@ -114,6 +132,18 @@ class LSTransformerEncoder(FairseqEncoder):
 
     def upgrade_state_dict_named(self, state_dict, name):
         return state_dict
+
+
+def _output(x, padding_mask: List[torch.Tensor], states: List[torch.Tensor], src_lengths):
+    return {
+        "encoder_out": [x.transpose(0, 1)],  # T x B x C
+        "encoder_padding_mask": padding_mask,  # B x T
+        "encoder_embedding": [],
+        "encoder_states": states,
+        "fc_results": [],
+        "src_tokens": [],
+        "src_lengths": [src_lengths] if src_lengths is not None else [],
+    }
 
 
 def _save_hook(module, state_dict, prefix, local_metadata):

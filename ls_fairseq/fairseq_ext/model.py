@@ -58,16 +58,19 @@ class LSTransformerModel(native.TransformerModel):
     def forward(self, src_tokens, src_lengths, prev_output_tokens, return_all_hiddens: bool = True,
                 features_only: bool = False, alignment_layer: Optional[int] = None,
                 alignment_heads: Optional[int] = None, logit_rows: Optional[torch.Tensor] = None,
-                src_has_padding: Optional[bool] = None):
+                src_has_padding: Optional[bool] = None, packed: Optional[dict] = None):
         """fairseq's encoder-decoder forward; ``logit_rows`` (int64 [N], indices into the flattened
         [batch * length] target positions) makes the decoder return logits [N, vocab] for those rows
         only (ls_label_smoothed_cross_entropy passes the non-padding positions); ``src_has_padding``
-        tells the encoder whether the source has padding (see LSTransformerEncoder.forward)."""
+        tells the encoder whether the source has padding (see LSTransformerEncoder.forward);
+        ``packed`` (:func:`ls_fairseq.fairseq_ext.packing.pack_batch` of the batch) runs both over the
+        batch's real tokens only, with ``logit_rows``."""
         encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, return_all_hiddens=return_all_hiddens,
-                                   src_has_padding=src_has_padding)
+                                   src_has_padding=src_has_padding, packed=packed)
         return self.decoder(prev_output_tokens, encoder_out=encoder_out, features_only=features_only,
                             alignment_layer=alignment_layer, alignment_heads=alignment_heads,
-                            src_lengths=src_lengths, return_all_hiddens=return_all_hiddens, logit_rows=logit_rows)
+                            src_lengths=src_lengths, return_all_hiddens=return_all_hiddens, logit_rows=logit_rows,
+                            packed=packed)
 
     def set_num_updates(self, num_updates):
         """Pass the update count to the submodules that use it.

@@ -60,11 +60,12 @@ class SelfAttention(nn.Module):
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.zeros_(self.out_proj.bias)
 
-    def forward(self, x, key_padding_mask=None, cache: Optional[Dict[str, torch.Tensor]] = None):
+    def forward(self, x, key_padding_mask=None, cache: Optional[Dict[str, torch.Tensor]] = None, varlen=None):
         """x [B, T, C] -> attention output before out_proj's bias: [B, T, C].
 
         ``cache`` (incremental decoding): holds prev_key / prev_value [B, H, t, D]; new keys
-        and values are appended and stored back.
+        and values are appended and stored back. ``varlen`` (:class:`ls_fairseq.ops.attention.Varlen`):
+        x [1, N, C] holds packed sequences (no padding).
         """
         fp8 = fp8_now(self, 0)
         node = fp8_split_node(x, self.in_proj_weight, fp8)
@@ -79,7 +80,7 @@ class SelfAttention(nn.Module):
                 v = torch.cat([cache["prev_value"], v], dim=2)
             cache["prev_key"], cache["prev_value"] = k, v
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
-                            p=self.attention_dropout, training=self.training)
+                            p=self.attention_dropout, training=self.training, varlen=varlen)
         return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))
 
 
@@ -97,11 +98,12 @@ class CrossAttention(nn.Module):
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.zeros_(self.out_proj.bias)
 
-    def forward(self, x, k, v, key_padding_mask=None):
-        """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]."""
+    def forward(self, x, k, v, key_padding_mask=None, varlen=None):
+        """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]. ``varlen``: packed
+        sequences, x [1, Nt, C] and k, v [1, H, Ns, D]."""
         B, T, C = x.shape
         q = ops.linear(x, self.q_proj.weight, self.q_proj.bias, fp8=fp8_now(self, 0))
         q = q.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
-                            p=self.attention_dropout, training=self.training)
+                            p=self.attention_dropout, training=self.training, varlen=varlen)
         return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))

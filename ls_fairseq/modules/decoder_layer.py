@@ -55,19 +55,25 @@ class DecoderLayer(EncoderLayer):
         self.encoder_attn_layer_norm = LayerNorm(embed_dim)
 
     def forward(self, x, cross_k, cross_v, encoder_padding_mask=None, self_attn_padding_mask=None,
-                cache: Optional[Dict[str, torch.Tensor]] = None):
+                cache: Optional[Dict[str, torch.Tensor]] = None, varlen=None):
+        """``varlen`` (:class:`ls_fairseq.ops.attention.Varlen` of the cross-attention: the targets' rows as
+        queries, the sources' as keys; no masks, no cache): x [1, Nt, C] and cross_k, cross_v [1, H, Ns, D]
+        hold packed sentences."""
         mod = self.cpp_module(x) if cache is None else None
         if mod is not None:  # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
-            return mod.decoder_layer_fwd(x, cross_k, cross_v, encoder_padding_mask, self_attn_padding_mask,
-                                         *self.cpp_args())
+            args = (x, cross_k, cross_v, encoder_padding_mask, self_attn_padding_mask, *self.cpp_args())
+            if varlen is None:
+                return mod.decoder_layer_fwd(*args)
+            return mod.decoder_layer_fwd(*args, varlen.cu_q, varlen.max_q, varlen.cu_k, varlen.max_k)
+        self_varlen = None if varlen is None else varlen._replace(cu_k=varlen.cu_q, max_k=varlen.max_q)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = self.self_attn(h, key_padding_mask=self_attn_padding_mask, cache=cache)
+        h = self.self_attn(h, key_padding_mask=self_attn_padding_mask, cache=cache, varlen=self_varlen)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
 
         h, residual = self.encoder_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = self.encoder_attn(h, cross_k, cross_v, key_padding_mask=encoder_padding_mask)
+        h = self.encoder_attn(h, cross_k, cross_v, key_padding_mask=encoder_padding_mask, varlen=varlen)
         x = ops.bias_dropout_residual(h, self.encoder_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.encoder_attn_layer_norm(x)

@@ -48,13 +48,16 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(ffn_dim, embed_dim)
         self.final_layer_norm = LayerNorm(embed_dim)
 
-    def forward(self, x, key_padding_mask=None):
-        """x [B, T, C]; key_padding_mask [B, T] (True = pad) or None."""
+    def forward(self, x, key_padding_mask=None, varlen=None):
+        """x [B, T, C]; key_padding_mask [B, T] (True = pad) or None. ``varlen``
+        (:class:`ls_fairseq.ops.attention.Varlen`, no mask): x [1, N, C] holds packed sentences."""
         mod = self.cpp_module(x)
         if mod is not None:  # the same nodes as below, recorded by one C++ call (csrc/torch/layers.cpp)
-            return mod.encoder_layer_fwd(x, key_padding_mask, *self.cpp_args())
+            if varlen is None:
+                return mod.encoder_layer_fwd(x, key_padding_mask, *self.cpp_args())
+            return mod.encoder_layer_fwd(x, key_padding_mask, *self.cpp_args(), varlen.cu_q, varlen.max_q)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = self.self_attn(h, key_padding_mask=key_padding_mask)
+        h = self.self_attn(h, key_padding_mask=key_padding_mask, varlen=varlen)
         x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)

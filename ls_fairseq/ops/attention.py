@@ -4,10 +4,13 @@ qkv_split: [B, T, 3C] (+ bias [3C]) -> q, k, v each [B, H, T, C/H]
 kv_split:  [B, S, 2C] slice (+ bias [2C]) -> k, v each [B, H, S, C/H]
 merge_heads: [B, H, T, D] -> [B, T, H*D]
 attention: softmax(q k^T / sqrt(D) + masks) v through scaled_dot_product_attention;
-           key_padding_mask [B, S] bool (True = padding), optional causal mask.
+           key_padding_mask [B, S] bool (True = padding), optional causal mask; or, with ``varlen``,
+           over packed sequences: q [1, H, Nq, D], k, v [1, H, Nk, D] hold sequences back to back
+           (no padding), sequence i in rows [cu_q[i], cu_q[i + 1]) of q and [cu_k[i], cu_k[i + 1]) of k, v.
 """
 
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,9 +94,35 @@ def _attn_mask(q, k, key_padding_mask, causal):
     return mask
 
 
+class Varlen(NamedTuple):
+    """Packed sequences for :func:`attention`: sequence i is rows [cu_q[i], cu_q[i + 1]) of the queries and
+    [cu_k[i], cu_k[i + 1]) of the keys and values. cu_q, cu_k: int32 [n + 1] on the device of q, from 0 to
+    the row counts; max_q, max_k: at least the longest sequence's length (the kernel's grid). A sequence
+    with queries must have keys. Causal: query j of a sequence sees its keys 0 .. j."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _varlen_mask(varlen: Varlen, causal: bool):
+    """[Nq, Nk] bool (True = attend): within each sequence, causal from its first row."""
+    def seg_pos(cu):
+        cu = cu.long()
+        n = cu.numel() - 1
+        seg = torch.repeat_interleave(torch.arange(n, device=cu.device), cu[1:] - cu[:-1])
+        return seg, torch.arange(seg.numel(), device=cu.device) - cu[seg]
+
+    sq, pq = seg_pos(varlen.cu_q)
+    sk, pk = seg_pos(varlen.cu_k)
+    mask = sq[:, None] == sk[None, :]
+    return mask & (pk[None, :] <= pq[:, None]) if causal else mask
+
+
 def attention_reference(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0.0,
-                        training: bool = True):
-    mask = _attn_mask(q, k, key_padding_mask, causal)
+                        training: bool = True, varlen: "Varlen" = None):
+    mask = _varlen_mask(varlen, causal) if varlen is not None else _attn_mask(q, k, key_padding_mask, causal)
     dt = q.dtype
     out = F.scaled_dot_product_attention(
         up(q), up(k), up(v), attn_mask=mask, dropout_p=p if training else 0.0
@@ -101,8 +130,37 @@ def attention_reference(q, k, v, key_padding_mask=None, causal: bool = False, p:
     return out.to(dt)
 
 
-def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0.0, training: bool = True):
+def _check_varlen(q, k, key_padding_mask, varlen: Varlen):
+    if key_padding_mask is not None:
+        raise ValueError("attention: packed sequences (varlen) take no key_padding_mask")
+    if q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValueError(f"attention: packed sequences need batch 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    for name, cu in (("cu_q", varlen.cu_q), ("cu_k", varlen.cu_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
+            raise ValueError(f"attention: varlen {name} must be int32 [n + 1] on {q.device}, got {cu.dtype} "
+                             f"{tuple(cu.shape)} on {cu.device}")
+    if varlen.cu_q.numel() != varlen.cu_k.numel() or varlen.cu_q.numel() < 2:
+        raise ValueError(f"attention: varlen cu_q and cu_k must have the same n + 1 >= 2 entries, got "
+                         f"{varlen.cu_q.numel()} and {varlen.cu_k.numel()}")
+
+
+def _varlen_cuda(q, k, v, varlen: Varlen, causal: bool, p: float):
+    """The memory-efficient kernel over packed sequences ([1, N, H, D] is its layout, a view of ours)."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out = torch.ops.aten._efficient_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, varlen.cu_q, varlen.cu_k, int(varlen.max_q),
+        int(varlen.max_k), float(p), 1 if causal else 0, grad)[0]
+    return out.transpose(1, 2)
+
+
+def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0.0, training: bool = True,
+              varlen: Varlen = None):
     check_dropout(p, "attention dropout")
+    if varlen is not None:
+        _check_varlen(q, k, key_padding_mask, varlen)
+        if q.device.type == "cpu":
+            return attention_reference(q, k, v, None, causal, p, training, varlen)
+        return _varlen_cuda(q, k, v, varlen, causal, p if training else 0.0)
     if key_padding_mask is not None and key_padding_mask.shape != (k.shape[0], k.shape[-2]):
         raise ValueError(
             f"attention: key_padding_mask shape {tuple(key_padding_mask.shape)} != (batch, src_len) "

@@ -1,0 +1,103 @@
+"""Packed batches: the training forward over real tokens only.
+
+fairseq pads every sentence of a batch to the batch's longest, and a transformer computes every
+padded position: its GEMMs, layer norms and dropout run over B x length rows whatever the padding.
+A packed batch puts the real tokens of all sentences back to back in one row ([1, tokens, C]); the
+row-wise layers then compute only those, and attention runs over each sentence's own rows
+(:class:`ls_fairseq.ops.attention.Varlen`: the memory-efficient kernel over packed sequences on CUDA).
+The loss, its gradients and the logged statistics are those of the padded batch; the values differ
+by rounding only (other GEMM shapes, hence other summation orders).
+
+:func:`pack_batch` builds the packing on the host from the padded batch (before its copy to the GPU),
+:func:`pad_packing` grows it to fixed sizes (a CUDA graph's); the ls_transformer model takes it as
+``packed`` (a dict, so that fairseq's sample utilities move its tensors with the batch):
+
+- ``src_tokens`` / ``tgt_tokens`` int64 [1, N]: the source tokens and the decoder input
+  (prev_output_tokens) of sentence 0, then of sentence 1, ..., without padding;
+- ``src_positions`` / ``tgt_positions`` int64 [1, N]: their positions as fairseq numbers them in the
+  padded batch (padding_idx + 1, + 2, ... from each sentence's first real token);
+- ``cu_src`` / ``cu_tgt`` int32 [B + 1]: sentence i is rows cu[i] .. cu[i + 1] - 1;
+- ``max_src`` / ``max_tgt``: the longest sentence's length on each side;
+- ``rows`` int64 [R]: the packed rows of the target positions the loss counts, in the order of the
+  padded rows it was given; a given row whose target is padding (ls_label_smoothed_cross_entropy rounds
+  its row count up with such rows, which the loss ignores) maps to packed row 0.
+"""
+
+from typing import Dict, Optional
+
+import torch
+
+from ls_fairseq.modules.positional import make_positions
+from ls_fairseq.ops.attention import Varlen
+
+PACKED_KEY = "packed"  # net_input entry the ls_transformer model reads
+
+
+def _pack_side(tokens: torch.Tensor, pad: int):
+    real = tokens.ne(pad)
+    lengths = real.sum(1)
+    cu = torch.zeros(tokens.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    packed = tokens[real].view(1, -1)
+    positions = make_positions(tokens, pad)[real].view(1, -1)
+    return packed, positions, cu, int(lengths.max()) if lengths.numel() else 0, real
+
+
+def pack_batch(src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor, target: torch.Tensor,
+               rows: torch.Tensor, pad: int) -> Optional[Dict[str, object]]:
+    """The packing of a padded batch (host tensors), or None when it cannot be packed: a sentence
+    without tokens on either side, or a counted target token whose decoder input is padding."""
+    if src_tokens.dim() != 2 or prev_output_tokens.dim() != 2 or src_tokens.shape[0] != prev_output_tokens.shape[0] \
+            or target.shape != prev_output_tokens.shape:
+        return None
+    src, src_pos, cu_src, max_src, _ = _pack_side(src_tokens, pad)
+    tgt, tgt_pos, cu_tgt, max_tgt, real = _pack_side(prev_output_tokens, pad)
+    if src_tokens.shape[0] == 0 or bool((cu_src[1:] == cu_src[:-1]).any()) \
+            or bool((cu_tgt[1:] == cu_tgt[:-1]).any()):
+        return None
+    flat = real.view(-1)
+    counted = target.reshape(-1).index_select(0, rows).ne(pad)
+    at_real = flat.index_select(0, rows)
+    if bool((counted & ~at_real).any()):
+        return None
+    packed_row = torch.cumsum(flat, 0) - 1  # the packed row of each real padded position
+    return {"src_tokens": src, "src_positions": src_pos, "cu_src": cu_src, "max_src": max_src,
+            "tgt_tokens": tgt, "tgt_positions": tgt_pos, "cu_tgt": cu_tgt, "max_tgt": max_tgt,
+            "rows": torch.where(counted, packed_row.index_select(0, rows), 0)}
+
+
+def pad_packing(packed, src_tokens: int, tgt_tokens: int, sentences: int, pad: int) -> Dict[str, object]:
+    """``packed`` grown to fixed sizes (a CUDA graph's shapes): ``src_tokens`` / ``tgt_tokens`` rows and
+    ``sentences`` entries of cu_src / cu_tgt (+ 1). The added rows form one more sentence of padding tokens
+    on each side (rows the loss never reads: their gradient is zero), the remaining entries are sentences
+    without tokens; max_src / max_tgt grow to cover the added sentence. Host tensors."""
+    n = packed["cu_src"].numel() - 1
+    extra_s = src_tokens - packed["src_tokens"].shape[1]
+    extra_t = tgt_tokens - packed["tgt_tokens"].shape[1]
+    if extra_s < 0 or extra_t < 0 or sentences < n + (1 if extra_s or extra_t else 0):
+        raise ValueError(f"pad_packing: a packing of {n} sentences, {packed['src_tokens'].shape[1]} + "
+                         f"{packed['tgt_tokens'].shape[1]} tokens does not fit {sentences} sentences, "
+                         f"{src_tokens} + {tgt_tokens} tokens")
+    if (extra_t > 0) != (extra_s > 0):
+        # the added target rows attend to the added source rows: both sides get one, or neither
+        raise ValueError("pad_packing: add rows on both sides or on neither")
+    out = dict(packed)
+    for side, extra, total in (("src", extra_s, src_tokens), ("tgt", extra_t, tgt_tokens)):
+        fill = torch.full((1, extra), pad, dtype=packed[side + "_tokens"].dtype)
+        out[side + "_tokens"] = torch.cat([packed[side + "_tokens"], fill], 1)
+        out[side + "_positions"] = torch.cat([packed[side + "_positions"], fill], 1)
+        cu = packed["cu_" + side]
+        out["cu_" + side] = torch.cat([cu, torch.full((sentences - n,), total, dtype=cu.dtype)])
+        out["max_" + side] = max(int(packed["max_" + side]), extra)
+    return out
+
+
+def self_varlen(packed, side: str) -> Varlen:
+    """The self-attention's packed sequences of ``side`` ("src" or "tgt")."""
+    cu, m = packed["cu_" + side], int(packed["max_" + side])
+    return Varlen(cu, cu, m, m)
+
+
+def cross_varlen(packed) -> Varlen:
+    """The decoder's cross-attention: target rows as queries, source rows as keys."""
+    return Varlen(packed["cu_tgt"], packed["cu_src"], int(packed["max_tgt"]), int(packed["max_src"]))
