@@ -59,12 +59,8 @@ def test_packed_attention_dropout_is_random_and_reproducible():
     assert torch.isfinite(a).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_model_matches_the_padded_model_on_the_gpu(dtype):
-    """The packed forward and backward (C++ layers, the kernels over packed sentences) against the padded
-    one: the counted logits and every gradient, within the dtype's rounding (other GEMM shapes)."""
-    from ls_fairseq.fairseq_ext.packing import pack_batch
-
+def _small_model(dtype):
+    """A two-layer pre-LN ls_transformer on the GPU in ``dtype``, dropout off, training mode."""
     d = make_dict(300)
     torch.manual_seed(0)
     model = build_model("ls_transformer_wmt_en_de_big_t2t", d, encoder_layers=2, decoder_layers=2,
@@ -73,6 +69,16 @@ def test_packed_model_matches_the_padded_model_on_the_gpu(dtype):
                         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                         share_all_embeddings=True).cuda().to(dtype)
     model.train()
+    return d, model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_model_matches_the_padded_model_on_the_gpu(dtype):
+    """The packed forward and backward (C++ layers, the kernels over packed sentences) against the padded
+    one: the counted logits and every gradient, within the dtype's rounding (other GEMM shapes)."""
+    from ls_fairseq.fairseq_ext.packing import pack_batch
+
+    d, model = _small_model(dtype)
     src, lengths, prev, tgt = _batch(d)
     rows = tgt.ne(d.pad()).reshape(-1).nonzero().squeeze(1)
     rows = torch.cat([rows, tgt.eq(d.pad()).reshape(-1).nonzero().squeeze(1)[:2]])
@@ -103,14 +109,7 @@ def test_packed_step_under_cuda_graph_capture():
     eager packed step of the batch as it came."""
     from ls_fairseq.fairseq_ext.packing import pack_batch, pad_packing
 
-    d = make_dict(300)
-    torch.manual_seed(0)
-    model = build_model("ls_transformer_wmt_en_de_big_t2t", d, encoder_layers=2, decoder_layers=2,
-                        encoder_embed_dim=256, decoder_embed_dim=256, encoder_ffn_embed_dim=1024,
-                        decoder_ffn_embed_dim=1024, encoder_attention_heads=4, decoder_attention_heads=4,
-                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-                        share_all_embeddings=True).cuda().bfloat16()
-    model.train()
+    d, model = _small_model(torch.bfloat16)
     src, lengths, prev, tgt = _batch(d)
     rows = tgt.ne(d.pad()).reshape(-1).nonzero().squeeze(1)
     packed = pack_batch(src, prev, tgt, rows, d.pad())
