@@ -144,22 +144,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 self_pad = pad
         enc_pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
         kv = self._cross_kv(encoder_out, state)
-
-        inner_states: List[Optional[torch.Tensor]] = [x.transpose(0, 1)]
-        for i, layer in enumerate(self.layers):
-            k, v = kv[2 * i], kv[2 * i + 1]
-            if incremental:
-                x = layer(x, k, v, enc_pad, None, cache=state["layers"][i])
-            elif self.checkpoint_activations and self.training:
-                x = checkpoint(layer, x, k, v, enc_pad, self_pad, use_reentrant=False)
-            else:
-                x = layer(x, k, v, enc_pad, self_pad)
-            inner_states.append(x.transpose(0, 1))
-        if rows is not None:
-            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        return x, {"attn": [None], "inner_states": inner_states}
+        return self._layers(x, kv, enc_pad, self_pad, state, None, rows, True)
 
     def extract_packed_features(self, packed, encoder_out, return_all_hiddens: bool = False):
         """Features [R, C] of the packing's counted rows, over the packed batch (the encoder's output packed
@@ -168,17 +153,25 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             raise ValueError("ls_transformer's decoder needs the encoder output")
         x = self._embed(packed["tgt_tokens"], False, packed["tgt_positions"])  # [1, Nt, C]
         kv = self._cross_kv(encoder_out, None)  # each [1, H, Ns, D]
-        varlen = cross_varlen(packed)
+        return self._layers(x, kv, None, None, None, cross_varlen(packed), packed["rows"], return_all_hiddens)
+
+    def _layers(self, x, kv, enc_pad, self_pad, state, varlen, rows, every_layer: bool):
+        """The layers over x (with each layer's cache while decoding incrementally: ``state``; over packed
+        sentences: ``varlen``), then ``rows`` of the flattened positions (all with None) through the final layer
+        norm: (x, fairseq's extra output; inner_states holds every layer's output with ``every_layer``)."""
         inner_states: List[Optional[torch.Tensor]] = [x.transpose(0, 1)]
         for i, layer in enumerate(self.layers):
             k, v = kv[2 * i], kv[2 * i + 1]
-            if self.checkpoint_activations and self.training:
-                x = checkpoint(layer, x, k, v, None, None, None, varlen, use_reentrant=False)
+            if state is not None:
+                x = layer(x, k, v, enc_pad, None, cache=state["layers"][i])
+            elif self.checkpoint_activations and self.training:
+                x = checkpoint(layer, x, k, v, enc_pad, self_pad, None, varlen, use_reentrant=False)
             else:
-                x = layer(x, k, v, None, None, varlen=varlen)
-            if return_all_hiddens:
+                x = layer(x, k, v, enc_pad, self_pad, varlen=varlen)
+            if every_layer:
                 inner_states.append(x.transpose(0, 1))
-        x = x.view(-1, x.shape[-1]).index_select(0, packed["rows"])
+        if rows is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         return x, {"attn": [None], "inner_states": inner_states}

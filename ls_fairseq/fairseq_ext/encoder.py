@@ -89,32 +89,28 @@ class LSTransformerEncoder(FairseqEncoder):
         has_pads = bool(padding_mask.any()) if src_has_padding is None else bool(src_has_padding)
         key_padding_mask = padding_mask if has_pads else None
         x = self.forward_embedding(src_tokens)  # [B, T, C], pads zeroed
-        states: List[torch.Tensor] = []
-        for layer in self.layers:
-            if self.checkpoint_activations and self.training:
-                x = checkpoint(layer, x, key_padding_mask, use_reentrant=False)
-            else:
-                x = layer(x, key_padding_mask)
-            if return_all_hiddens:
-                states.append(x.transpose(0, 1))
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
+        x, states = self._layers(x, key_padding_mask, None, return_all_hiddens)
         return _output(x, [padding_mask] if has_pads else [], states, src_lengths)
 
     def _forward_packed(self, packed, src_lengths, return_all_hiddens: bool):
         x = self.forward_embedding(packed["src_tokens"], packed["src_positions"])  # [1, N, C]
-        varlen = self_varlen(packed, "src")
+        x, states = self._layers(x, None, self_varlen(packed, "src"), return_all_hiddens)
+        return _output(x, [], states, src_lengths)
+
+    def _layers(self, x, key_padding_mask, varlen, return_all_hiddens: bool):
+        """The layers (over padded sentences with their mask, or packed ones with varlen) and the final layer
+        norm: (x, each layer's output [T, B, C] when return_all_hiddens)."""
         states: List[torch.Tensor] = []
         for layer in self.layers:
             if self.checkpoint_activations and self.training:
-                x = checkpoint(layer, x, None, varlen, use_reentrant=False)
+                x = checkpoint(layer, x, key_padding_mask, varlen, use_reentrant=False)
             else:
-                x = layer(x, None, varlen)
+                x = layer(x, key_padding_mask, varlen)
             if return_all_hiddens:
                 states.append(x.transpose(0, 1))
         if self.layer_norm is not None:
             x = self.layer_norm(x)
-        return _output(x, [], states, src_lengths)
+        return x, states
 
     @torch.jit.export
     def reorder_encoder_out(self, encoder_out: Dict[str, List[torch.Tensor]], new_order):
