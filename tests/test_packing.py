@@ -94,6 +94,13 @@ def test_pack_batch_numbers_tokens_as_the_padded_batch():
     empty = src.clone()
     empty[1] = d.pad()
     assert pack_batch(empty, prev, tgt, rows, d.pad()) is None
+    # built on the host: device tensors are refused by name
+    with pytest.raises(ValueError, match="prev_output_tokens is on meta"):
+        pack_batch(src, prev.to("meta"), tgt, rows, d.pad())
+    # the dtypes the model and the kernels read
+    assert p["src_tokens"].dtype == p["tgt_positions"].dtype == p["rows"].dtype == torch.int64
+    assert p["cu_src"].dtype == p["cu_tgt"].dtype == torch.int32
+    assert isinstance(p["max_src"], int)
 
 
 @pytest.mark.parametrize("arch", ["ls_transformer_iwslt_de_en", "ls_transformer_wmt_en_de_big_t2t"])

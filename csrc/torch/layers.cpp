@@ -111,10 +111,21 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTen
                  int64_t short_len, const Varlen* vl = nullptr) {
   if (vl != nullptr) {
     if (!q.is_cuda()) return at::scaled_dot_product_attention(q, k, v, varlen_mask(*vl, causal), p);
+    // fp16 / bf16: the flash kernel, whose backward replays the forward's dropout mask (also under CUDA graphs);
+    // fp32: the memory-efficient kernel without dropout (over packed sequences its backward does not see the mask
+    // its forward drew). As ls_fairseq/ops/attention.py's _varlen_cuda.
+    if (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) {
+      auto r = at::_flash_attention_forward(q.transpose(1, 2).select(0, 0), k.transpose(1, 2).select(0, 0),
+                                            v.transpose(1, 2).select(0, 0), vl->cu_q, vl->cu_k, vl->max_q, vl->max_k,
+                                            p, causal, false);
+      return std::get<0>(r).unsqueeze(0).transpose(1, 2);
+    }
+    TORCH_CHECK(p == 0.0, "attention: packed sequences (varlen) with dropout need fp16 or bf16 on CUDA, got ",
+                q.scalar_type(), " with p=", p);
     const bool grad =
         at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
     auto r = at::_efficient_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), std::nullopt,
-                                              vl->cu_q, vl->cu_k, vl->max_q, vl->max_k, p, causal ? 1 : 0, grad);
+                                              vl->cu_q, vl->cu_k, vl->max_q, vl->max_k, 0.0, causal ? 1 : 0, grad);
     return std::get<0>(r).transpose(1, 2);
   }
   const int64_t Tq = q.size(-2), S = k.size(-2);

@@ -4,7 +4,7 @@ fairseq pads every sentence of a batch to the batch's longest, and a transformer
 padded position: its GEMMs, layer norms and dropout run over B x length rows whatever the padding.
 A packed batch puts the real tokens of all sentences back to back in one row ([1, tokens, C]); the
 row-wise layers then compute only those, and attention runs over each sentence's own rows
-(:class:`ls_fairseq.ops.attention.Varlen`: the memory-efficient kernel over packed sequences on CUDA).
+(:class:`ls_fairseq.ops.attention.Varlen`: on CUDA the flash kernel over packed sequences in fp16 / bf16).
 The loss, its gradients and the logged statistics are those of the padded batch; the values differ
 by rounding only (other GEMM shapes, hence other summation orders).
 
@@ -25,45 +25,56 @@ by rounding only (other GEMM shapes, hence other summation orders).
 
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 
-from ls_fairseq.modules.positional import make_positions
 from ls_fairseq.ops.attention import Varlen
 
 PACKED_KEY = "packed"  # net_input entry the ls_transformer model reads
 
 
-def _pack_side(tokens: torch.Tensor, pad: int):
-    real = tokens.ne(pad)
+def _pack_side(tokens: np.ndarray, pad: int):
+    real = tokens != pad
     lengths = real.sum(1)
-    cu = torch.zeros(tokens.shape[0] + 1, dtype=torch.int32)
-    torch.cumsum(lengths, 0, out=cu[1:])
-    packed = tokens[real].view(1, -1)
-    positions = make_positions(tokens, pad)[real].view(1, -1)
-    return packed, positions, cu, int(lengths.max()) if lengths.numel() else 0, real
+    cu = np.zeros(tokens.shape[0] + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    positions = np.cumsum(real, 1)[real] + pad  # make_positions' numbers at the real tokens
+    return tokens[real], positions, cu, int(lengths.max()) if lengths.size else 0, real
 
 
 def pack_batch(src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor, target: torch.Tensor,
                rows: torch.Tensor, pad: int) -> Optional[Dict[str, object]]:
     """The packing of a padded batch (host tensors), or None when it cannot be packed: a sentence
-    without tokens on either side, or a counted target token whose decoder input is padding."""
+    without tokens on either side, or a counted target token whose decoder input is padding.
+
+    Computed with NumPy, single-threaded: it runs in the training loop between two batches, where
+    torch's multi-threaded CPU operators cost milliseconds waking their thread pool."""
+    for name, t in (("src_tokens", src_tokens), ("prev_output_tokens", prev_output_tokens), ("target", target),
+                    ("rows", rows)):
+        if t.device.type != "cpu":
+            raise ValueError(f"pack_batch: {name} is on {t.device}; the packing is built on the host (CPU tensors)")
     if src_tokens.dim() != 2 or prev_output_tokens.dim() != 2 or src_tokens.shape[0] != prev_output_tokens.shape[0] \
             or target.shape != prev_output_tokens.shape:
         return None
-    src, src_pos, cu_src, max_src, _ = _pack_side(src_tokens, pad)
-    tgt, tgt_pos, cu_tgt, max_tgt, real = _pack_side(prev_output_tokens, pad)
-    if src_tokens.shape[0] == 0 or bool((cu_src[1:] == cu_src[:-1]).any()) \
-            or bool((cu_tgt[1:] == cu_tgt[:-1]).any()):
+    src, src_pos, cu_src, max_src, _ = _pack_side(src_tokens.numpy(), pad)
+    tgt, tgt_pos, cu_tgt, max_tgt, real = _pack_side(prev_output_tokens.numpy(), pad)
+    if src_tokens.shape[0] == 0 or (cu_src[1:] == cu_src[:-1]).any() or (cu_tgt[1:] == cu_tgt[:-1]).any():
         return None
-    flat = real.view(-1)
-    counted = target.reshape(-1).index_select(0, rows).ne(pad)
-    at_real = flat.index_select(0, rows)
-    if bool((counted & ~at_real).any()):
+    flat = real.reshape(-1)
+    r = rows.numpy()
+    counted = target.numpy().reshape(-1)[r] != pad
+    if (counted & ~flat[r]).any():
         return None
-    packed_row = torch.cumsum(flat, 0) - 1  # the packed row of each real padded position
-    return {"src_tokens": src, "src_positions": src_pos, "cu_src": cu_src, "max_src": max_src,
-            "tgt_tokens": tgt, "tgt_positions": tgt_pos, "cu_tgt": cu_tgt, "max_tgt": max_tgt,
-            "rows": torch.where(counted, packed_row.index_select(0, rows), 0)}
+    packed_row = np.cumsum(flat) - 1  # the packed row of each real padded position
+
+    def host(a, dtype=torch.int64):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+    return {"src_tokens": host(src).view(1, -1), "src_positions": host(src_pos).view(1, -1),
+            "cu_src": host(cu_src, torch.int32), "max_src": max_src,
+            "tgt_tokens": host(tgt).view(1, -1), "tgt_positions": host(tgt_pos).view(1, -1),
+            "cu_tgt": host(cu_tgt, torch.int32), "max_tgt": max_tgt,
+            "rows": host(np.where(counted, packed_row[r], 0))}
 
 
 def pad_packing(packed, src_tokens: int, tgt_tokens: int, sentences: int, pad: int) -> Dict[str, object]:

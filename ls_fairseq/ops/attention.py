@@ -145,11 +145,22 @@ def _check_varlen(q, k, key_padding_mask, varlen: Varlen):
 
 
 def _varlen_cuda(q, k, v, varlen: Varlen, causal: bool, p: float):
-    """The memory-efficient kernel over packed sequences ([1, N, H, D] is its layout, a view of ours)."""
+    """Packed sequences on CUDA ([1, N, H, D] is the kernels' layout, a view of ours). fp16 / bf16: the flash
+    kernel (sm80 and newer), whose backward replays the forward's dropout mask, also under CUDA graphs. fp32:
+    the memory-efficient kernel, without dropout: over packed sequences its backward does not see the mask
+    its forward drew (measured: the gradient of a dropout attention disagrees with its output)."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out = torch.ops.aten._flash_attention_forward(
+            q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0], varlen.cu_q, varlen.cu_k,
+            int(varlen.max_q), int(varlen.max_k), float(p), bool(causal), False)[0]
+        return out.unsqueeze(0).transpose(1, 2)
+    if p > 0:
+        raise ValueError("attention: packed sequences (varlen) with dropout need fp16 or bf16 on CUDA, got "
+                         f"{q.dtype} with p={p}")
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out = torch.ops.aten._efficient_attention_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, varlen.cu_q, varlen.cu_k, int(varlen.max_q),
-        int(varlen.max_k), float(p), 1 if causal else 0, grad)[0]
+        int(varlen.max_k), 0.0, 1 if causal else 0, grad)[0]
     return out.transpose(1, 2)
 
 

@@ -1,5 +1,6 @@
-"""Packed batches on the GPU: the memory-efficient kernel over packed sentences against attention per
-sentence, and the packed ls_transformer against the padded one (C++ layers, fused kernels)."""
+"""Packed batches on the GPU: the attention kernels over packed sentences against attention per sentence,
+their dropout's backward against its forward, and the packed ls_transformer against the padded one (C++
+layers, fused kernels)."""
 
 import pytest
 import torch
@@ -57,6 +58,57 @@ def test_packed_attention_dropout_is_random_and_reproducible():
     a, b, c = run(1), run(1), run(2)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.isfinite(a).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("graphed", [False, True])
+def test_packed_attention_dropout_backward_replays_the_forward_mask(dtype, causal, graphed):
+    """With dropout the output is linear in V, O = drop(P) V, so sum(V * dL/dV) = sum(O * dL/dO) exactly when
+    the backward applies the mask the forward drew; eagerly and as a CUDA-graph replay (fresh masks each
+    replay). A kernel whose backward draws another mask misses it by tens of percent."""
+    from ls_fairseq.ops import attention
+    from ls_fairseq.ops.attention import Varlen
+
+    torch.manual_seed(0)
+    lq = [37, 64, 5, 90, 12]
+    lk = lq if causal else [20, 3, 64, 77, 9]
+    vl = Varlen(_cu(lq).cuda(), _cu(lk).cuda(), max(lq), max(lk))
+    q = torch.randn(1, 8, sum(lq), 64, device="cuda", dtype=dtype)
+    k = torch.randn(1, 8, sum(lk), 64, device="cuda", dtype=dtype)
+    v = torch.randn(1, 8, sum(lk), 64, device="cuda", dtype=dtype, requires_grad=True)
+    gy = torch.randn(1, 8, sum(lq), 64, device="cuda", dtype=dtype)
+
+    def step():
+        v.grad = None
+        out = attention(q, k, v, causal=causal, p=0.3, varlen=vl)
+        out.backward(gy)
+        return out.detach(), v.grad
+
+    def check(out, dv):
+        terms = out.float() * gy.float()
+        b = (v.detach().float() * dv.float()).sum()
+        # rounding moves the two sums by well under 1% of the terms' norm; another mask, by about all of it
+        torch.testing.assert_close(b, terms.sum(), rtol=0, atol=0.05 * float(terms.norm()))
+
+    if not graphed:
+        check(*step())
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, dv = step()
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, dv)
+        seen.append(out.clone())
+    assert not torch.equal(seen[0], seen[1])  # each replay draws a fresh mask
 
 
 def _small_model(dtype):
