@@ -176,3 +176,12 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
     case ::ls::DType::F16: { using T = __half; __VA_ARGS__; break; }         \
     case ::ls::DType::BF16: { using T = __nv_bfloat16; __VA_ARGS__; break; } \
   }
+
+// ---------------------------------------------------------------- activation dispatch
+// The body with A a constexpr ::ls::Act equal to ACT (relu, gelu, or none for any other value).
+#define LS_DISPATCH_ACT(ACT, A, ...)                                                          \
+  switch (ACT) {                                                                              \
+    case ::ls::Act::Relu: { constexpr ::ls::Act A = ::ls::Act::Relu; __VA_ARGS__; break; }    \
+    case ::ls::Act::Gelu: { constexpr ::ls::Act A = ::ls::Act::Gelu; __VA_ARGS__; break; }    \
+    default: { constexpr ::ls::Act A = ::ls::Act::None; __VA_ARGS__; break; }                 \
+  }

@@ -68,11 +68,9 @@ __global__ void fused_dropout_fwd_kernel(const T* __restrict__ x, const T* __res
       if (cnt[u] == 0) continue;
       const int64_t g = g0 + u * stride, i0 = g * 8;
       bias_act8<A>(v[u], bias != nullptr ? b[u] : nullptr);
-      if (REPLAY) {
+      if (REPLAY || mask != nullptr) {
         keep8(v[u], bits[u], scale);
-      } else if (mask != nullptr) {
-        keep8(v[u], bits[u], scale);
-        mask[g] = (uint8_t)bits[u];
+        if (!REPLAY) mask[g] = (uint8_t)bits[u];  // drawn here: kept for the backward
       }
       if (RESIDUAL) {
 #pragma unroll
@@ -167,12 +165,10 @@ void bias_act_dropout_fwd(DType dt, const void* x, const void* bias, void* out, 
     const T* xt = static_cast<const T*>(x);
     const T* bt = static_cast<const T*>(bias);
     T* ot = static_cast<T*>(out);
-    if (act == Act::Relu)
-      launch_fwd<T, Act::Relu, false>(xt, bt, nullptr, ot, mask, n, C, p, rng, stream, "bias_relu_dropout_fwd");
-    else if (act == Act::Gelu)
-      launch_fwd<T, Act::Gelu, false>(xt, bt, nullptr, ot, mask, n, C, p, rng, stream, "bias_gelu_dropout_fwd");
-    else
-      launch_fwd<T, Act::None, false>(xt, bt, nullptr, ot, mask, n, C, p, rng, stream, "bias_dropout_fwd");
+    LS_DISPATCH_ACT(act, A, launch_fwd<T, A, false>(xt, bt, nullptr, ot, mask, n, C, p, rng, stream,
+                                                    A == Act::Relu   ? "bias_relu_dropout_fwd"
+                                                    : A == Act::Gelu ? "bias_gelu_dropout_fwd"
+                                                                     : "bias_dropout_fwd"));
   });
 }
 
@@ -203,12 +199,7 @@ void bias_act_dropout_replay(DType dt, const void* x, const void* bias, const ui
     const T* xt = static_cast<const T*>(x);
     const T* bt = static_cast<const T*>(bias);
     T* ot = static_cast<T*>(out);
-    if (act == Act::Relu)
-      launch_replay<T, Act::Relu>(xt, bt, keep, ot, n, C, p, stream);
-    else if (act == Act::Gelu)
-      launch_replay<T, Act::Gelu>(xt, bt, keep, ot, n, C, p, stream);
-    else
-      launch_replay<T, Act::None>(xt, bt, keep, ot, n, C, p, stream);
+    LS_DISPATCH_ACT(act, A, launch_replay<T, A>(xt, bt, keep, ot, n, C, p, stream));
   });
 }
 
@@ -226,14 +217,9 @@ static void launch_bwd(const void* dy, const void* x, const void* bias, const vo
 void bias_act_dropout_bwd(DType dt, const void* dy, const void* x, const void* bias, const void* out,
                           const uint8_t* mask, void* dx, void* dbias, float* workspace, int64_t rows, int C, float p,
                           Act act, cudaStream_t stream) {
-  LS_DISPATCH(dt, T, {
-    if (act == Act::Relu)
-      launch_bwd<T, Act::Relu>(dy, x, bias, out, mask, dx, dbias, workspace, rows, C, p, stream);
-    else if (act == Act::Gelu)
-      launch_bwd<T, Act::Gelu>(dy, x, bias, out, mask, dx, dbias, workspace, rows, C, p, stream);
-    else
-      launch_bwd<T, Act::None>(dy, x, bias, out, mask, dx, dbias, workspace, rows, C, p, stream);
-  });
+  LS_DISPATCH(dt, T,
+              LS_DISPATCH_ACT(act, A, launch_bwd<T, A>(dy, x, bias, out, mask, dx, dbias, workspace, rows, C, p,
+                                                       stream)));
 }
 
 }  // namespace ls

@@ -252,7 +252,13 @@ __device__ __forceinline__ void tile_colsum(float (&raw)[16], float* __restrict_
   __syncthreads();
 }
 
+// Byte offset, in row x of the transposed shared tile, of that row's 16-byte chunk q (its rows 16q .. 16q + 15 of
+// the untransposed tile): chunk q is kept at chunk q ^ (x / 16) % 4, so that the byte stores of a warp (8 rows,
+// 4 chunks) hit distinct banks. Rows x .. x + 15 with x a multiple of 16 share the offset.
+__device__ __forceinline__ int swizzled_chunk(int x, int q) { return ((q ^ (x >> 4)) & 3) * 16; }
+
 // partial (Source::kSums): [tiles of 64 rows, K] floats, each tile row's column sums of the source's raw values
+
 template <typename Source>
 __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt, bool current,
                             uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp,
@@ -291,19 +297,18 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
     }
     if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
     if (out_t != nullptr) {
-      // Transposed row x of the tile holds its 16-byte chunk q at chunk q ^ (x / 16) % 4: the byte stores of a warp
-      // (8 rows, 4 chunks) then hit distinct banks. The buffer written here is read again only after the next
-      // tile's barrier, which every thread reaches after its read below.
+      // The buffer written here is read again only after the next tile's barrier, which every thread reaches
+      // after its read below.
       const uint8_t* b = reinterpret_cast<const uint8_t*>(&packed);
       uint8_t* tb = tile_t[buf];
-      const int at = (((r >> 4) ^ (c >> 4)) & 3) * 16 + (r & 15);  // row r's byte in transposed rows c .. c + 15
+      const int at = swizzled_chunk(c, r >> 4) + (r & 15);  // row r's byte in transposed rows c .. c + 15
 #pragma unroll
       for (int k = 0; k < 16; ++k) tb[(c + k) * kTile + at] = b[k];
       __syncthreads();
       const int64_t jt = k0 + r, it = m0 + c;  // transposed: row jt of out_t, its columns it .. it + 15
       if (jt < K && it < Mp)
         *reinterpret_cast<uint4*>(out_t + jt * Mp + it) =
-            *reinterpret_cast<const uint4*>(tb + r * kTile + (((c >> 4) ^ (r >> 4)) & 3) * 16);
+            *reinterpret_cast<const uint4*>(tb + r * kTile + swizzled_chunk(r, c >> 4));
     }
   }
   if (!current) {
@@ -383,12 +388,8 @@ template <typename T, bool DRAW>
 void launch_act_cast(Act act, const void* x, const void* bias, uint8_t* keep, uint8_t* positive, int64_t M,
                      int64_t K, float p, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp,
                      cudaStream_t stream) {
-  if (act == Act::Relu)
-    launch_act_cast<T, Act::Relu, DRAW>(x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp, stream);
-  else if (act == Act::Gelu)
-    launch_act_cast<T, Act::Gelu, DRAW>(x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp, stream);
-  else
-    launch_act_cast<T, Act::None, DRAW>(x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp, stream);
+  LS_DISPATCH_ACT(act, A,
+                  launch_act_cast<T, A, DRAW>(x, bias, keep, positive, M, K, p, rng, row, out, out_t, Mp, stream));
 }
 }  // namespace
 
@@ -436,14 +437,9 @@ void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* b
                           int64_t K, float p, Act act, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
                           void* dbias, float* partial, cudaStream_t stream) {
   if (M <= 0 || K <= 0) return;
-  LS_DISPATCH(dt, T, {
-    if (act == Act::Relu)
-      launch_grad_cast<T, Act::Relu>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
-    else if (act == Act::Gelu)
-      launch_grad_cast<T, Act::Gelu>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
-    else
-      launch_grad_cast<T, Act::None>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp, dbias, partial, stream);
-  });
+  LS_DISPATCH(dt, T,
+              LS_DISPATCH_ACT(act, A, launch_grad_cast<T, A>(dy, x, bias, keep, M, K, p, row, fmt, out, out_t, Mp,
+                                                             dbias, partial, stream)));
 }
 
 void fp8_merge_heads_grad(DType dt, const void* d0, const void* d1, const void* d2, int B, int T_, int n, int H,

@@ -288,9 +288,9 @@ std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t 
     auto [q, q_t] = quantize(op, r[0].reshape({M, K}), u.state, u.row(2), fmt, u.current, rowwise, transposed);
     return {q, q_t, need_db ? r[1] : Tensor()};
   }
-  bool token_major = true;  // SDPA's kernels return [B, H, T, D] gradients stored [B, T, H, D]
+  bool token_major = true;
   for (int64_t i = 0; i < n; ++i)
-    if (d[i].defined()) token_major = token_major && d[i].transpose(1, 2).is_contiguous() && !d[i].is_contiguous();
+    if (d[i].defined()) token_major = token_major && token_major_heads(d[i]);
   std::vector<Tensor> keep;
   const void* ptrs[3] = {nullptr, nullptr, nullptr};
   for (int64_t i = 0; i < n; ++i) {

@@ -47,7 +47,7 @@ std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, cons
     LS_CHECK_CUDA(op, t);
     LS_CHECK(t.sizes() == ref->sizes(), op, ": gradient shapes differ: ", t.sizes(), " vs ", ref->sizes());
     LS_CHECK_DTYPE(op, t, ref->scalar_type());
-    token_major = token_major && t.transpose(1, 2).is_contiguous() && !t.is_contiguous();
+    token_major = token_major && token_major_heads(t);
   }
   std::vector<Tensor> keep;
   const void* ptrs[3] = {nullptr, nullptr, nullptr};
