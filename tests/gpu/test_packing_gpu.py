@@ -111,14 +111,15 @@ def test_packed_attention_dropout_backward_replays_the_forward_mask(dtype, causa
     assert not torch.equal(seen[0], seen[1])  # each replay draws a fresh mask
 
 
-def _small_model(dtype):
-    """A two-layer pre-LN ls_transformer on the GPU in ``dtype``, dropout off, training mode."""
+def _small_model(dtype, attention_dropout=0.0):
+    """A two-layer pre-LN ls_transformer on the GPU in ``dtype``, dropout off (but ``attention_dropout``),
+    training mode."""
     d = make_dict(300)
     torch.manual_seed(0)
     model = build_model("ls_transformer_wmt_en_de_big_t2t", d, encoder_layers=2, decoder_layers=2,
                         encoder_embed_dim=256, decoder_embed_dim=256, encoder_ffn_embed_dim=1024,
                         decoder_ffn_embed_dim=1024, encoder_attention_heads=4, decoder_attention_heads=4,
-                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        dropout=0.0, attention_dropout=attention_dropout, activation_dropout=0.0,
                         share_all_embeddings=True).cuda().to(dtype)
     model.train()
     return d, model
@@ -195,3 +196,28 @@ def test_packed_step_under_cuda_graph_capture():
     torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)
     for q, g in zip(model.parameters(), ref_grads):
         torch.testing.assert_close(q.grad, g, rtol=2e-2, atol=2e-2)
+
+
+def test_packed_fp32_refuses_attention_dropout():
+    """fp32 over packed sequences has no CUDA kernel whose dropout backward is right: the op and the model (its
+    C++ layer calls) refuse attention dropout by name instead of training on wrong gradients; without dropout
+    (evaluation) the same model runs."""
+    from ls_fairseq.fairseq_ext.packing import pack_batch
+    from ls_fairseq.ops import attention
+    from ls_fairseq.ops.attention import Varlen
+
+    cu = _cu([5, 9]).cuda()
+    q = torch.randn(1, 2, 14, 16, device="cuda")
+    with pytest.raises(ValueError, match="need fp16 or bf16"):
+        attention(q, q, q, p=0.1, varlen=Varlen(cu, cu, 9, 9))
+    d, model = _small_model(torch.float32, attention_dropout=0.1)
+    src, lengths, prev, tgt = _batch(d)
+    rows = tgt.ne(d.pad()).reshape(-1).nonzero().squeeze(1)
+    packed = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in pack_batch(src, prev, tgt, rows, d.pad()).items()}
+    src, lengths, prev = src.cuda(), lengths.cuda(), prev.cuda()
+    with pytest.raises((ValueError, RuntimeError), match="need fp16 or bf16"):
+        model(src, lengths, prev, logit_rows=packed["rows"], packed=packed)
+    model.eval()
+    logits, _ = model(src, lengths, prev, logit_rows=packed["rows"], packed=packed)
+    assert torch.isfinite(logits).all()
+
