@@ -92,6 +92,8 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
         flags += [f"--memory-efficient-{precision}"]
     if kind == "ls_eager":  # lightseq-train without its CUDA-graph step
         flags += ["--ls-graph-step", "off"]
+    if kind.startswith("ls_buckets"):  # ls_buckets128: the CUDA-graph step with that many shape buckets
+        flags += ["--ls-graph-buckets", kind[len("ls_buckets"):]]
     if kind.startswith("ls_fp8"):  # ls_fp8 (default gradient format), ls_fp8_e4m3, ls_fp8_e5m2
         flags += ["--fp8"] + (["--fp8-grad-format", kind.rsplit("_", 1)[1]] if kind.count("_") == 2 else [])
     flags += MEMORY_MODES.get(kind, [])
@@ -137,6 +139,7 @@ def main():
     ap.add_argument("--max-tokens", default="4096,8192,16384")
     ap.add_argument("--kinds", default="native,ls",
                     help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
+                         "ls_buckets<K> (--ls-graph-buckets K), "
                          "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format), "
                          "ls_mem (all memory modes), ls_inv / ls_recompute / ls_logits (one of them)")
     ap.add_argument("--bf16", action="store_true", help="also run ls in bf16 (native fairseq cannot)")
