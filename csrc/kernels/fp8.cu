@@ -258,7 +258,6 @@ __device__ __forceinline__ void tile_colsum(float (&raw)[16], float* __restrict_
 __device__ __forceinline__ int swizzled_chunk(int x, int q) { return ((q ^ (x >> 4)) & 3) * 16; }
 
 // partial (Source::kSums): [tiles of 64 rows, K] floats, each tile row's column sums of the source's raw values
-
 template <typename Source>
 __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt, bool current,
                             uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp,

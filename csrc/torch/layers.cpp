@@ -105,8 +105,8 @@ Tensor varlen_mask(const Varlen& vl, bool causal) {
 }
 
 // softmax(q k^T / sqrt(D) + masks) v for q [B, H, T, D], k, v [B, H, S, D]; attend [B, 1, 1, S] or absent.
-// With vl: packed sequences, q [1, H, Nq, D], k, v [1, H, Nk, D]; on CUDA the memory-efficient kernel over them
-// (its layout [1, N, H, D] is a view of ours, and so is its output's).
+// With vl: packed sequences, q [1, H, Nq, D], k, v [1, H, Nk, D]; on CUDA a kernel over them (below; its layout
+// [1, N, H, D] is a view of ours, and so is its output's), on the CPU a block mask.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal, double p,
                  int64_t short_len, const Varlen* vl = nullptr) {
   if (vl != nullptr) {

@@ -111,6 +111,11 @@ def test_packed_attention_dropout_backward_replays_the_forward_mask(dtype, causa
     assert not torch.equal(seen[0], seen[1])  # each replay draws a fresh mask
 
 
+def _cuda(packed):
+    """A packing's tensors on the GPU (its host numbers as they are)."""
+    return {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in packed.items()}
+
+
 def _small_model(dtype, attention_dropout=0.0):
     """A two-layer pre-LN ls_transformer on the GPU in ``dtype``, dropout off (but ``attention_dropout``),
     training mode."""
@@ -136,7 +141,7 @@ def test_packed_model_matches_the_padded_model_on_the_gpu(dtype):
     rows = tgt.ne(d.pad()).reshape(-1).nonzero().squeeze(1)
     rows = torch.cat([rows, tgt.eq(d.pad()).reshape(-1).nonzero().squeeze(1)[:2]])
     packed = pack_batch(src, prev, tgt, rows, d.pad())
-    packed = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in packed.items()}
+    packed = _cuda(packed)
     target = tgt.reshape(-1).index_select(0, rows).cuda()
     src, lengths, prev, rows = src.cuda(), lengths.cuda(), prev.cuda(), rows.cuda()
 
@@ -169,18 +174,15 @@ def test_packed_step_under_cuda_graph_capture():
     target = tgt.reshape(-1).index_select(0, rows).cuda()
     src, lengths, prev = src.cuda(), lengths.cuda(), prev.cuda()
 
-    def dev(p):
-        return {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in p.items()}
-
     def step(p):
         logits, _ = model(src, lengths, prev, logit_rows=p["rows"], packed=p)
         loss = F.cross_entropy(logits.float(), target, reduction="sum")
         loss.backward()
         return loss
 
-    ref = step(dev(packed)).detach()
+    ref = step(_cuda(packed)).detach()
     ref_grads = [q.grad.clone() for q in model.parameters()]
-    grown = dev(pad_packing(packed, 29, 21, 8, d.pad()))
+    grown = _cuda(pad_packing(packed, 29, 21, 8, d.pad()))
     model.zero_grad(set_to_none=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -213,7 +215,7 @@ def test_packed_fp32_refuses_attention_dropout():
     d, model = _small_model(torch.float32, attention_dropout=0.1)
     src, lengths, prev, tgt = _batch(d)
     rows = tgt.ne(d.pad()).reshape(-1).nonzero().squeeze(1)
-    packed = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in pack_batch(src, prev, tgt, rows, d.pad()).items()}
+    packed = _cuda(pack_batch(src, prev, tgt, rows, d.pad()))
     src, lengths, prev = src.cuda(), lengths.cuda(), prev.cuda()
     with pytest.raises((ValueError, RuntimeError), match="need fp16 or bf16"):
         model(src, lengths, prev, logit_rows=packed["rows"], packed=packed)
