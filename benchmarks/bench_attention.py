@@ -1,10 +1,12 @@
 """Attention forward + backward at the (batch, length) shapes fairseq's --max-tokens batching makes.
 
 For each length T (batch = tokens // T; 16 heads of 64, fp16, dropout 0.1) and each mask kind
-(none, causal, key padding) it times, in GPU ms per fwd+bwd (CUDA events, median of 3 x 10):
+(none, causal, key padding) it times, in GPU ms per fwd+bwd (each captured once in a CUDA graph and
+replayed, as the training step runs it; median of 3 x 10 replays):
 
-* ls      ls_fairseq.ops.attention (whatever it dispatches to);
-* flash   SDPA restricted to flash / memory-efficient (what ops.attention used before);
+* ls      ls_fairseq.ops.attention (the short-sequence kernel up to 64 tokens, SDPA beyond);
+* memeff  SDPA's memory-efficient backend alone;
+* flash   SDPA's flash backend alone;
 * math    SDPA's math backend;
 * cudnn   SDPA's cuDNN backend (plans built once per shape, as under the CUDA-graph step); nan where it
           cannot take the mask;
@@ -22,21 +24,41 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def timed(fn, reps=10):
+    """Median GPU ms of fn over 3 x reps replays of a CUDA graph of it (eager calls where it cannot be captured)."""
     import torch
 
-    for _ in range(3):
-        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except RuntimeError:
+        run = fn
     torch.cuda.synchronize()
     out = []
     for _ in range(3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(reps):
-            fn()
+            run()
         b.record()
         torch.cuda.synchronize()
         out.append(a.elapsed_time(b) / reps)
     return sorted(out)[1]
+
+
+def timed_or_nan(fn):
+    """timed(fn), or nan where the backend has no kernel for this mask / shape (flash with a padding mask)."""
+    try:
+        return timed(fn)
+    except RuntimeError:
+        return float("nan")
 
 
 def main():
@@ -54,7 +76,8 @@ def main():
     from ls_fairseq import ops
 
     H, D, p = args.heads, args.head_dim, args.p
-    print(f"{'T':>4} {'B':>5} {'mask':>8} {'ls':>8} {'flash':>8} {'math':>8} {'gemm':>8} {'cudnn':>8}  ls/flash")
+    print(f"{'T':>4} {'B':>5} {'mask':>8} {'ls':>8} {'memeff':>8} {'flash':>8} {'math':>8} {'gemm':>8} {'cudnn':>8}"
+          f"  ls/best SDPA")
     for T in (int(t) for t in args.lengths.split(",")):
         B = max(1, args.tokens // T)
         for kind in ("none", "causal", "padding"):
@@ -93,13 +116,13 @@ def main():
                 torch.bmm(ds, k2)  # dQ
                 torch.bmm(ds.transpose(1, 2), q2)  # dK
 
-            row = [timed(run_ls), timed(sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])),
-                   timed(sdpa([SDPBackend.MATH])), timed(run_gemm)]
-            try:
-                row.append(timed(sdpa([SDPBackend.CUDNN_ATTENTION])))
-            except RuntimeError:  # no cuDNN kernel for this mask / shape
-                row.append(float("nan"))
-            print(f"{T:4d} {B:5d} {kind:>8} " + " ".join(f"{x:8.3f}" for x in row) + f"  {row[0] / row[1]:.2f}",
+            row = [timed(run_ls)]
+            for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+                row.append(timed_or_nan(sdpa([backend])))
+            row.append(timed(run_gemm))
+            row.append(timed_or_nan(sdpa([SDPBackend.CUDNN_ATTENTION])))
+            best = min(x for x in (row[1], row[2], row[3], row[5]) if x == x)
+            print(f"{T:4d} {B:5d} {kind:>8} " + " ".join(f"{x:8.3f}" for x in row) + f"  {row[0] / best:.2f}",
                   flush=True)
 
 

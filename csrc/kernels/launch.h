@@ -135,6 +135,30 @@ int64_t grad_norm_workspace();
 void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int count, float* workspace, float* out,
                       cudaStream_t stream);
 
+// ================================================================ attention.cu
+// Attention over short padded sequences, one CTA per (batch, head) (attention.cu describes the numerics).
+constexpr int kShortAttentionMax = 64;  // the longest query and key length the kernels take
+struct ShortAttentionArgs {
+  DType dt = DType::F16;  // F16 or BF16
+  int B = 0, H = 0, Tq = 0, Tk = 0, D = 0;  // D: 32, 64 or 128; 1 <= Tq, Tk <= kShortAttentionMax
+  // [B, H, T, D] tensors as (batch, head, row) element strides, the head dim contiguous, rows 16-byte aligned
+  const void *q = nullptr, *k = nullptr, *v = nullptr;
+  int64_t q_s[3] = {0, 0, 0}, k_s[3] = {0, 0, 0}, v_s[3] = {0, 0, 0};
+  void* out = nullptr;  // written by the forward, read by the backward
+  int64_t o_s[3] = {0, 0, 0};
+  const void* dout = nullptr;  // backward
+  int64_t do_s[3] = {0, 0, 0};
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward
+  int64_t dq_s[3] = {0, 0, 0}, dk_s[3] = {0, 0, 0}, dv_s[3] = {0, 0, 0};
+  const uint8_t* attend = nullptr;  // [B, Tk], nonzero = attend; nullable
+  bool causal = false;              // query i sees keys j <= i + Tk - Tq
+  float p = 0.f;                    // attention dropout
+  float scale = 1.f;                // of the scores (1 / sqrt(D))
+  float* lse = nullptr;             // [B, H, Tq] fp32: written by the forward (nullable there), read by the backward
+  uint8_t* mask = nullptr;          // keep bits [B, H, Tq, ceil(Tk / 8)] bytes when p > 0
+};
+void short_attention_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream);
+void short_attention_bwd(const ShortAttentionArgs& a, cudaStream_t stream);
 // ================================================================ fp8.cu
 enum class Fp8Format : int { E4M3 = 0, E5M2 = 1 };
 // Per-tensor FP8 scaling state (fp32, one row of kFp8Width per quantised tensor; see fp8.cu): 1 / s (what the

@@ -97,5 +97,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "differentiable dropout(act(x W1^T + b1)) W2^T, both projections in FP8 as one node: [y, mask] (fp8.cpp)",
         py::arg("x"), py::arg("w1"), py::arg("b1") = none, py::arg("w2"), py::arg("activation"), py::arg("p"),
         py::arg("mode"), py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true);
+  m.def("short_attention_fits", guarded(&short_attention_fits),
+        "whether attention over these tensors can take the short-sequence kernel (attention.cpp)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("attend") = none);
+  m.def("short_attention_fwd", guarded(&short_attention_fwd),
+        "attention over short sequences: [out (token-major), lse, keep bits] (attention.cu)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0);
+  m.def("short_attention_bwd", guarded(&short_attention_bwd), "backward of short_attention_fwd: [dq, dk, dv]",
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("mask"),
+        py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0);
+  m.def("ag_short_attention", guarded(&ag_short_attention),
+        "differentiable attention over short sequences as one node (attention.cpp)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0);
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

@@ -128,6 +128,9 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTen
                                               vl->cu_q, vl->cu_k, vl->max_q, vl->max_k, 0.0, causal ? 1 : 0, grad);
     return std::get<0>(r).transpose(1, 2);
   }
+  // short sequences (most of a --max-tokens batch of sentences): the kernel of attention.cu
+  const OptTensor attend2 = present(attend) ? OptTensor(attend->view({attend->size(0), attend->size(3)})) : OptTensor();
+  if (short_attention_fits(q, k, v, attend2)) return ag_short_attention(q, k, v, attend2, causal, p);
   const int64_t Tq = q.size(-2), S = k.size(-2);
   SdpBackends backends(std::max(Tq, S) <= short_len);
   if (!present(attend) && causal && Tq == S) return at::scaled_dot_product_attention(q, k, v, std::nullopt, p, true);

@@ -66,6 +66,19 @@ std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, 
 std::vector<Tensor> ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 
+// attention.cpp: attention over short padded sequences (csrc/kernels/attention.cu). q [B, H, Tq, D], k, v
+// [B, H, Tk, D] (any strides with the head dim contiguous), attend [B, Tk] bool / uint8 (nonzero = attend) or
+// absent; causal: query i sees keys j <= i + Tk - Tq. short_attention_fits: whether the kernel takes these tensors
+// (CUDA fp16 / bf16, D 32 / 64 / 128, 1 <= Tq, Tk <= 64, 16-byte aligned rows); the callers run SDPA otherwise.
+bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend);
+std::vector<Tensor> short_attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                                        bool causal, double p);
+std::vector<Tensor> short_attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& out, const Tensor& lse, const Tensor& mask,
+                                        const OptTensor& attend, bool causal, double p);
+Tensor ag_short_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal,
+                          double p);
+
 // Whole layers over those nodes (layers.cpp): the forward of ls_fairseq/modules' encoder and decoder layers in
 // one call, recording the same nodes as the Python layers; weights and eps in the order layers.cpp lists.
 Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, const std::vector<Tensor>& weights,

@@ -21,7 +21,7 @@ KERNEL_ENTRY = {
     "embedding": "embedding_fwd",
     "qkv_split": "qkv_split_fwd",
     "merge_heads": "merge_heads_fwd",
-    "attention": None,  # always torch SDPA (flash / cuDNN / efficient backends)
+    "attention": "ag_short_attention",  # the kernel for sequences up to 64 tokens; SDPA for longer ones
     "label_smoothed_cross_entropy": "ls_cross_entropy_fwd",
     "adam": "adam_step",
     "grad_norm": "grad_norm",
@@ -141,11 +141,15 @@ _CPP_LAYERS = True
 def explain(op: str) -> str:
     """One line: which path ``op`` takes on CUDA tensors, and why."""
     entry = KERNEL_ENTRY.get(op)
+    sdpa = "torch scaled_dot_product_attention (flash / memory-efficient backends on CUDA; no per-shape plans)"
     if entry is None:
-        return "torch scaled_dot_product_attention (flash / memory-efficient backends on CUDA; no per-shape plans)"
+        return sdpa
     mod = _ext.get()
     if mod is None:
-        return f"reference (extension unavailable: {_ext.reason()})"
+        return sdpa if op == "attention" else f"reference (extension unavailable: {_ext.reason()})"
     if not hasattr(mod, entry):
-        return f"reference (extension has no '{entry}')"
+        return sdpa if op == "attention" else f"reference (extension has no '{entry}')"
+    if op == "attention":
+        return (f"fused kernel ({_ext.source()} ls_fairseq._C.{entry}) for fp16/bf16 sequences up to 64 tokens; "
+                f"otherwise {sdpa}")
     return f"fused kernel on CUDA tensors ({_ext.source()} ls_fairseq._C.{entry}); reference on CPU"

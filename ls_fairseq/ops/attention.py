@@ -3,7 +3,8 @@
 qkv_split: [B, T, 3C] (+ bias [3C]) -> q, k, v each [B, H, T, C/H]
 kv_split:  [B, S, 2C] slice (+ bias [2C]) -> k, v each [B, H, S, C/H]
 merge_heads: [B, H, T, D] -> [B, T, H*D]
-attention: softmax(q k^T / sqrt(D) + masks) v through scaled_dot_product_attention;
+attention: softmax(q k^T / sqrt(D) + masks) v: on CUDA in fp16 / bf16 with both lengths <= 64 through the
+           kernel of csrc/kernels/attention.cu, otherwise through scaled_dot_product_attention;
            key_padding_mask [B, S] bool (True = padding), optional causal mask; or, with ``varlen``,
            over packed sequences: q [1, H, Nq, D], k, v [1, H, Nk, D] hold sequences back to back
            (no padding), sequence i in rows [cu_q[i], cu_q[i + 1]) of q and [cu_k[i], cu_k[i + 1]) of k, v.
@@ -164,6 +165,16 @@ def _varlen_cuda(q, k, v, varlen: Varlen, causal: bool, p: float):
     return out.transpose(1, 2)
 
 
+def _short_kernel(q, k, v, key_padding_mask):
+    """The extension when the short-sequence kernel may take this call (its own check follows), else None:
+    fp16 / bf16 with both lengths <= SHORT_KERNEL_LEN, outside torch.compile (which traces SDPA)."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or max(q.shape[-2], k.shape[-2]) > SHORT_KERNEL_LEN:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return kernel_module("attention", q, k, v, key_padding_mask)
+
+
 def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0.0, training: bool = True,
               varlen: Varlen = None):
     check_dropout(p, "attention dropout")
@@ -179,7 +190,12 @@ def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0
         )
     if q.device.type == "cpu":
         return attention_reference(q, k, v, key_padding_mask, causal, p, training)
-    # On GPU SDPA runs in the storage dtype, restricted to the flash and memory-efficient
+    mod = _short_kernel(q, k, v, key_padding_mask)
+    if mod is not None:  # short sequences in fp16 / bf16: csrc/kernels/attention.cu
+        attend = None if key_padding_mask is None else ~key_padding_mask.bool()
+        if mod.short_attention_fits(q, k, v, attend):
+            return mod.ag_short_attention(q, k, v, attend, causal, p if training else 0.0)
+    # Longer sequences (and fp32): SDPA runs in the storage dtype, restricted to the flash and memory-efficient
     # backends. The cuDNN backend (PyTorch's default choice with a padding mask) builds an
     # execution plan for every new (batch, length) shape: measured on an H200, 53 ms for a
     # first-seen shape vs 0.6 ms repeated. fairseq batches by --max-tokens, so almost every
@@ -199,6 +215,7 @@ def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _SDPA_SHORT = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 SHORT_ATTENTION_LEN = 64
+SHORT_KERNEL_LEN = 64  # kShortAttentionMax of csrc/kernels/launch.h
 _HAS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 

@@ -109,4 +109,11 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
+// attention over short sequences: a CUDA kernel only; the layers take SDPA on the CPU
+bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend) { return false; }
+Tensor ag_short_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal,
+                          double p) {
+  LS_CHECK(false, "short attention: needs a CUDA GPU");
+  return {};
+}
 }  // namespace ls_torch

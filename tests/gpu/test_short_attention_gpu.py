@@ -1,0 +1,216 @@
+"""The attention kernel for short sequences (csrc/kernels/attention.cu) against a float64 reference: forward and
+the three gradients, masks (key padding, causal, both, rows with no key), layouts, dropout replayed from the
+kernel's keep bits, the keep rate, seeds, and CUDA-graph replay."""
+
+import math
+
+import pytest
+import torch
+
+from ls_fairseq import _ext
+from ls_fairseq.ops import attention, merge_heads
+from ._tols import assert_close_to_gold, keep_rate_ok
+
+pytestmark = pytest.mark.gpu
+
+LOWP = [torch.float16, torch.bfloat16]
+# B, H, Tq, Tk, D
+SHAPES = [(1, 1, 1, 1, 64), (3, 2, 17, 17, 64), (2, 3, 64, 64, 64), (2, 2, 5, 37, 128), (4, 16, 16, 16, 64),
+          (2, 3, 1, 40, 64), (3, 2, 29, 13, 32), (1, 4, 48, 64, 128)]
+
+
+def _mod():
+    return _ext.get()
+
+
+def _valid(B, Tq, Tk, attend, causal, device):
+    """[B, 1, Tq, Tk] bool: key j is visible to query i."""
+    valid = torch.ones(B, 1, Tq, Tk, dtype=torch.bool, device=device)
+    if attend is not None:
+        valid = valid & attend.bool()[:, None, None, :]
+    if causal:
+        valid = valid & torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)
+    return valid
+
+
+def reference(q, k, v, attend, causal, keep=None, p=0.0):
+    """softmax with masks (rows without a visible key: probabilities 0), dropout from keep bits, in q's dtype."""
+    B, _, Tq, D = q.shape
+    Tk = k.shape[2]
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    valid = _valid(B, Tq, Tk, attend, causal, q.device)
+    s = s.masked_fill(~valid, float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    P = e / e.sum(-1, keepdim=True).clamp_min(0.5)  # >= 1 where a key is visible, 0 where none is
+    if keep is not None:
+        P = P * keep.to(P.dtype) / (1.0 - p)
+    return torch.matmul(P.to(v.dtype), v)
+
+
+def unpack_keep(mask, B, H, Tq, Tk):
+    rows = (Tk + 7) // 8
+    bits = (mask.view(B, H, Tq, rows, 1).long() >> torch.arange(8, device=mask.device)) & 1
+    return bits.view(B, H, Tq, rows * 8)[..., :Tk].bool()
+
+
+def _inputs(shape, dtype, layout, seed=0):
+    B, H, Tq, Tk, D = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    def make(T):
+        x = torch.randn(B, T, H, D, device="cuda", generator=g).to(dtype)
+        return x.transpose(1, 2) if layout == "token_major" else x.transpose(1, 2).contiguous()
+    return make(Tq), make(Tk), make(Tk), torch.randn(B, H, Tq, D, device="cuda", generator=g).to(dtype)
+
+
+def _attend(kind, B, Tk):
+    if kind not in ("padding", "padding_causal"):
+        return None
+    attend = torch.ones(B, Tk, dtype=torch.bool, device="cuda")
+    attend[0, : Tk // 3] = False  # left padding, as fairseq pads sources
+    if B > 1:
+        attend[-1, max(1, Tk - 2):] = False
+    return attend
+
+
+def _compare(shape, dtype, kind, layout, p):
+    mod = _mod()
+    B, H, Tq, Tk, D = shape
+    q, k, v, dout = _inputs(shape, dtype, layout, seed=B * 7 + Tq + Tk + D)
+    attend = _attend(kind, B, Tk)
+    causal = kind in ("causal", "padding_causal")
+    assert mod.short_attention_fits(q, k, v, attend)
+    torch.manual_seed(5)
+    out, lse, mask = mod.short_attention_fwd(q, k, v, attend, causal, p)
+    assert out.shape == (B, H, Tq, D) and out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    dq, dk, dv = mod.short_attention_bwd(dout, q, k, v, out, lse, mask, attend, causal, p)
+    keep = unpack_keep(mask, B, H, Tq, Tk) if p > 0 else None
+    res = []
+    for dt in (dtype, torch.float64):
+        ins = [t.detach().to(dt).requires_grad_(True) for t in (q, k, v)]
+        o = reference(*ins, attend, causal, keep, p)
+        res.append((o, torch.autograd.grad(o, ins, dout.to(dt))))
+    (lo, lg), (go, gg) = res
+    assert_close_to_gold(out, lo, go, dtype, "out")
+    for name, a, l, g in zip(("dq", "dk", "dv"), (dq, dk, dv), lg, gg):
+        assert a.shape == g.shape
+        assert_close_to_gold(a, l, g, dtype, name)
+    return keep
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kind", ["none", "padding", "causal", "padding_causal"])
+def test_matches_reference(dtype, shape, kind):
+    _compare(shape, dtype, kind, "head_major", 0.0)
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("shape", [(3, 2, 17, 17, 64), (2, 2, 5, 37, 128)], ids=str)
+def test_token_major_inputs(dtype, shape):
+    _compare(shape, dtype, "padding", "token_major", 0.0)
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("shape", [(3, 2, 17, 17, 64), (2, 3, 64, 64, 64), (2, 2, 5, 37, 128)], ids=str)
+@pytest.mark.parametrize("kind", ["padding", "causal"])
+def test_dropout_replays_its_keep_bits(dtype, shape, kind):
+    keep = _compare(shape, dtype, kind, "head_major", 0.1)
+    assert keep is not None and not keep.all()
+
+
+def test_keep_rate_and_seeds():
+    mod = _mod()
+    q, k, v, _ = _inputs((64, 16, 32, 32, 64), torch.bfloat16, "head_major")
+    masks = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        masks.append(mod.short_attention_fwd(q, k, v, None, False, 0.25)[2])
+    keep = unpack_keep(masks[0], 64, 16, 32, 32)
+    assert keep_rate_ok(keep, 0.25)
+    assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_rows_without_keys_give_zeros(dtype):
+    mod = _mod()
+    B, H, T, D = 3, 2, 9, 64
+    q, k, v, dout = _inputs((B, H, T, T, D), dtype, "head_major")
+    attend = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    attend[1] = False  # a padded sentence of a shape bucket: no key at all
+    out, lse, mask = mod.short_attention_fwd(q, k, v, attend, False, 0.0)
+    dq, dk, dv = mod.short_attention_bwd(dout, q, k, v, out, lse, mask, attend, False, 0.0)
+    for t in (out, dq, dk, dv):
+        assert torch.isfinite(t.float()).all()
+        assert t[1].abs().max().item() == 0.0
+    assert out[0].abs().max().item() > 0
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_public_op_takes_the_kernel_and_falls_back(dtype):
+    """ops.attention runs the kernel for short fp16 / bf16 sequences (token-major output: the merge is a view)
+    and SDPA beyond its limits; both agree with the reference."""
+    mod = _mod()
+    for T, D, fits in ((20, 64, True), (64, 32, True), (65, 64, False), (20, 48, False)):
+        q, k, v, dout = _inputs((2, 3, T, T, D), dtype, "head_major")
+        kpm = torch.zeros(2, T, dtype=torch.bool, device="cuda")
+        kpm[0, :3] = True
+        assert mod.short_attention_fits(q, k, v, ~kpm) == fits
+        ins = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = attention(*ins, key_padding_mask=kpm, causal=False, p=0.0)
+        if fits:
+            assert merge_heads(out).data_ptr() == out.data_ptr()
+        grads = torch.autograd.grad(out, ins, dout)
+        gold_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+        gold = reference(*gold_in, ~kpm, False)
+        gold_grads = torch.autograd.grad(gold, gold_in, dout.double())
+        low_in = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        low = reference(*low_in, ~kpm, False)
+        low_grads = torch.autograd.grad(low, low_in, dout)
+        assert_close_to_gold(out, low, gold, dtype, f"out T={T} D={D}")
+        for i in range(3):
+            assert_close_to_gold(grads[i], low_grads[i], gold_grads[i], dtype, f"grad{i} T={T} D={D}")
+
+
+def test_fits_refuses_what_the_kernel_cannot_take():
+    mod = _mod()
+    q = torch.randn(2, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    assert mod.short_attention_fits(q, q, q, None)
+    assert not mod.short_attention_fits(q.float(), q.float(), q.float(), None)
+    odd = torch.randn(2, 2, 8, 65, device="cuda", dtype=torch.bfloat16)[..., :64]  # rows not 16-byte aligned
+    assert not mod.short_attention_fits(odd, odd, odd, None)
+    assert not mod.short_attention_fits(q, q, q, torch.ones(2, 7, dtype=torch.bool, device="cuda"))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        mod.short_attention_fwd(odd, odd, odd, None, False, 0.0)
+
+
+def test_dropout_backward_matches_forward_under_graph_replay():
+    """Captured forward + backward with dropout: each replay draws fresh keep bits, and the backward uses the
+    forward's: out is linear in v, so sum(v * dv) equals sum(out * dout) for every replay."""
+    mod = _mod()
+    B, H, T, D = 8, 4, 24, 64
+    q, k, v, dout = _inputs((B, H, T, T, D), torch.bfloat16, "head_major")
+    attend = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    attend[2, :5] = False
+    ins = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            out = mod.ag_short_attention(*ins, attend, False, 0.2)
+            grads = torch.autograd.grad(out, ins, dout)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod.ag_short_attention(*ins, attend, False, 0.2)
+        grads = torch.autograd.grad(out, ins, dout)
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        lhs = (ins[2].double() * grads[2].double()).sum().item()
+        rhs = (out.double() * dout.double()).sum().item()
+        assert abs(lhs - rhs) <= 2e-2 * max(1.0, abs(rhs)), (lhs, rhs)
+        seen.append(out.clone())
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
