@@ -21,6 +21,7 @@
 // 16-byte aligned (the adapter checks, and falls back to PyTorch's kernels otherwise).
 #include <mma.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "kernels/common.cuh"
@@ -341,6 +342,30 @@ void check_args(const ShortAttentionArgs& a) {
 }
 
 }  // namespace
+
+bool short_attention_supported(int device, int Tq, int Tk, int D) {
+  if ((D != 32 && D != 64 && D != 128) || Tq < 1 || Tk < 1 || Tq > kShortAttentionMax || Tk > kShortAttentionMax)
+    return false;
+  // per device: its compute capability's major and the shared memory one block may opt in to (read once)
+  static int major[64], smem[64];
+  static std::atomic<bool> known[64];
+  if (device < 0 || device >= 64) return false;
+  if (!known[device].load(std::memory_order_acquire)) {
+    int mj = 0, sm = 0;
+    if (cudaDeviceGetAttribute(&mj, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sm, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    major[device] = mj;
+    smem[device] = sm;
+    known[device].store(true, std::memory_order_release);
+  }
+  // the layout does not depend on the 16-bit type's flavour; the backward takes more than the forward
+  const size_t need = D == 32 ? Smem<__half, 32>(Tq, Tk, true).total
+                      : D == 64 ? Smem<__half, 64>(Tq, Tk, true).total : Smem<__half, 128>(Tq, Tk, true).total;
+  return major[device] >= 8 && need <= static_cast<size_t>(smem[device]);
+}
 
 void short_attention_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream) {
   check_args(a);

@@ -140,7 +140,7 @@ void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int cou
 constexpr int kShortAttentionMax = 64;  // the longest query and key length the kernels take
 struct ShortAttentionArgs {
   DType dt = DType::F16;  // F16 or BF16
-  int B = 0, H = 0, Tq = 0, Tk = 0, D = 0;  // D: 32, 64 or 128; 1 <= Tq, Tk <= kShortAttentionMax
+  int B = 0, H = 0, Tq = 0, Tk = 0, D = 0;  // D: 32, 64 or 128; 1 <= Tq, Tk <= kShortAttentionMax; sm_80+
   // [B, H, T, D] tensors as (batch, head, row) element strides, the head dim contiguous, rows 16-byte aligned
   const void *q = nullptr, *k = nullptr, *v = nullptr;
   int64_t q_s[3] = {0, 0, 0}, k_s[3] = {0, 0, 0}, v_s[3] = {0, 0, 0};
@@ -157,6 +157,9 @@ struct ShortAttentionArgs {
   float* lse = nullptr;             // [B, H, Tq] fp32: written by the forward (nullable there), read by the backward
   uint8_t* mask = nullptr;          // keep bits [B, H, Tq, ceil(Tk / 8)] bytes when p > 0
 };
+// Whether the kernels take these sizes on this device: D 32, 64 or 128, lengths 1 .. kShortAttentionMax, sm_80 or
+// newer (cp.async, bf16 tensor cores), and the shared memory of the backward's CTA within what a block may use.
+bool short_attention_supported(int device, int Tq, int Tk, int D);
 void short_attention_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream);
 void short_attention_bwd(const ShortAttentionArgs& a, cudaStream_t stream);
 // ================================================================ fp8.cu

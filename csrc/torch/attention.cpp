@@ -1,8 +1,8 @@
 // ATen adapter and autograd node: attention over short padded sequences (csrc/kernels/attention.cu).
 //
 // short_attention_fits() says whether a call can take the kernel; where it cannot (fp32, a head dim other than
-// 32 / 64 / 128, a length over kShortAttentionMax, a layout whose rows are not 16-byte aligned) the callers run
-// PyTorch's SDPA instead. The output is stored token-major ([B, Tq, H, D] memory, returned as a [B, H, Tq, D]
+// 32 / 64 / 128, a length over kShortAttentionMax, a layout whose rows are not 16-byte aligned, a GPU older than
+// sm_80 or with too little shared memory per block) the callers run PyTorch's SDPA instead. The output is stored token-major ([B, Tq, H, D] memory, returned as a [B, H, Tq, D]
 // view: merging the heads is then free), and so are the gradients of q, k and v (what the head split's backward
 // reads in place).
 #include <cmath>
@@ -70,8 +70,7 @@ bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, con
   if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) return false;
   if (k.device() != q.device() || v.device() != q.device()) return false;
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2), D = q.size(3);
-  if (D != 32 && D != 64 && D != 128) return false;
-  if (Tq < 1 || Tk < 1 || Tq > ls::kShortAttentionMax || Tk > ls::kShortAttentionMax) return false;
+  if (Tq > ls::kShortAttentionMax || Tk > ls::kShortAttentionMax || D > 128) return false;
   if (k.size(0) != B || v.size(0) != B || k.size(1) != H || v.size(1) != H || k.size(3) != D ||
       v.sizes() != k.sizes())
     return false;
@@ -79,7 +78,8 @@ bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, con
   if (present(attend) && (attend->dim() != 2 || attend->size(0) != B || attend->size(1) != Tk ||
                           attend->device() != q.device()))
     return false;
-  return rows_aligned(q) && rows_aligned(k) && rows_aligned(v);
+  return rows_aligned(q) && rows_aligned(k) && rows_aligned(v) &&
+         ls::short_attention_supported(q.get_device(), (int)Tq, (int)Tk, (int)D);
 }
 
 // -> [out [B, H, Tq, D] (token-major storage), lse [B, H, Tq] fp32, keep bits (uint8, empty when p == 0)]
