@@ -335,17 +335,21 @@ void launch_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
     }                                                                                               \
   } while (0)
 
+// the head dims and lengths the kernels are built for
+bool shape_ok(int64_t Tq, int64_t Tk, int64_t D) {
+  return (D == 32 || D == 64 || D == 128) && Tq >= 1 && Tk >= 1 && Tq <= kShortAttentionMax &&
+         Tk <= kShortAttentionMax;
+}
+
 void check_args(const ShortAttentionArgs& a) {
-  if (a.dt == DType::F32 || (a.D != 32 && a.D != 64 && a.D != 128) || a.Tq < 1 || a.Tk < 1 ||
-      a.Tq > kShortAttentionMax || a.Tk > kShortAttentionMax)
+  if (a.dt == DType::F32 || !shape_ok(a.Tq, a.Tk, a.D))
     throw std::runtime_error("short_attention: unsupported shape or dtype (the adapter should have fallen back)");
 }
 
 }  // namespace
 
-bool short_attention_supported(int device, int Tq, int Tk, int D) {
-  if ((D != 32 && D != 64 && D != 128) || Tq < 1 || Tk < 1 || Tq > kShortAttentionMax || Tk > kShortAttentionMax)
-    return false;
+bool short_attention_supported(int device, int64_t Tq, int64_t Tk, int64_t D) {
+  if (!shape_ok(Tq, Tk, D)) return false;
   // per device: its compute capability's major and the shared memory one block may opt in to (read once)
   static int major[64], smem[64];
   static std::atomic<bool> known[64];
@@ -362,8 +366,9 @@ bool short_attention_supported(int device, int Tq, int Tk, int D) {
     known[device].store(true, std::memory_order_release);
   }
   // the layout does not depend on the 16-bit type's flavour; the backward takes more than the forward
-  const size_t need = D == 32 ? Smem<__half, 32>(Tq, Tk, true).total
-                      : D == 64 ? Smem<__half, 64>(Tq, Tk, true).total : Smem<__half, 128>(Tq, Tk, true).total;
+  const int tq = static_cast<int>(Tq), tk = static_cast<int>(Tk);
+  const size_t need = D == 32 ? Smem<__half, 32>(tq, tk, true).total
+                      : D == 64 ? Smem<__half, 64>(tq, tk, true).total : Smem<__half, 128>(tq, tk, true).total;
   return major[device] >= 8 && need <= static_cast<size_t>(smem[device]);
 }
 

@@ -159,7 +159,7 @@ struct ShortAttentionArgs {
 };
 // Whether the kernels take these sizes on this device: D 32, 64 or 128, lengths 1 .. kShortAttentionMax, sm_80 or
 // newer (cp.async, bf16 tensor cores), and the shared memory of the backward's CTA within what a block may use.
-bool short_attention_supported(int device, int Tq, int Tk, int D);
+bool short_attention_supported(int device, int64_t Tq, int64_t Tk, int64_t D);
 void short_attention_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream);
 void short_attention_bwd(const ShortAttentionArgs& a, cudaStream_t stream);
 // ================================================================ fp8.cu

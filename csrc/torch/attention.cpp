@@ -22,7 +22,10 @@ bool rows_aligned(const Tensor& t) {
          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-void set_strides(int64_t (&s)[3], const Tensor& t) {
+// a [B, H, T, D] tensor as the kernels take it: its data and its (batch, head, row) strides
+template <typename P>
+void bind(P& ptr, int64_t (&s)[3], const Tensor& t) {
+  ptr = t.data_ptr();
   s[0] = t.stride(0);
   s[1] = t.stride(1);
   s[2] = t.stride(2);
@@ -42,12 +45,9 @@ ls::ShortAttentionArgs make_args(const char* op, const Tensor& q, const Tensor& 
   a.Tq = checked_int(op, "query length", q.size(2));
   a.Tk = checked_int(op, "key length", k.size(2));
   a.D = checked_int(op, "head dim", q.size(3));
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  set_strides(a.q_s, q);
-  set_strides(a.k_s, k);
-  set_strides(a.v_s, v);
+  bind(a.q, a.q_s, q);
+  bind(a.k, a.k_s, k);
+  bind(a.v, a.v_s, v);
   a.attend = present(attend) ? attend->data_ptr<uint8_t>() : nullptr;
   a.causal = causal;
   a.p = static_cast<float>(p);
@@ -70,7 +70,6 @@ bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, con
   if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) return false;
   if (k.device() != q.device() || v.device() != q.device()) return false;
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2), D = q.size(3);
-  if (Tq > ls::kShortAttentionMax || Tk > ls::kShortAttentionMax || D > 128) return false;
   if (k.size(0) != B || v.size(0) != B || k.size(1) != H || v.size(1) != H || k.size(3) != D ||
       v.sizes() != k.sizes())
     return false;
@@ -79,7 +78,7 @@ bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, con
                           attend->device() != q.device()))
     return false;
   return rows_aligned(q) && rows_aligned(k) && rows_aligned(v) &&
-         ls::short_attention_supported(q.get_device(), (int)Tq, (int)Tk, (int)D);
+         ls::short_attention_supported(q.get_device(), Tq, Tk, D);
 }
 
 // -> [out [B, H, Tq, D] (token-major storage), lse [B, H, Tq] fp32, keep bits (uint8, empty when p == 0)]
@@ -97,8 +96,7 @@ std::vector<Tensor> short_attention_fwd(const Tensor& q, const Tensor& k, const 
   Tensor lse = at::empty({a.B, a.H, a.Tq}, q.options().dtype(at::kFloat));
   const int64_t mask_row = (a.Tk + 7) / 8;
   Tensor mask = at::empty({p > 0.0 ? (int64_t)a.B * a.H * a.Tq * mask_row : 0}, q.options().dtype(at::kByte));
-  a.out = out.data_ptr();
-  set_strides(a.o_s, out);
+  bind(a.out, a.o_s, out);
   a.lse = lse.data_ptr<float>();
   a.mask = p > 0.0 ? mask.data_ptr<uint8_t>() : nullptr;
   const ls::PhiloxArgs rng = p > 0.0 ? philox_args() : ls::PhiloxArgs{};
@@ -130,16 +128,11 @@ std::vector<Tensor> short_attention_bwd(const Tensor& dout, const Tensor& q, con
   Tensor o = rows_aligned(out) ? out : token_major_like(out).copy_(out);
   ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p);
   Tensor dq = token_major_like(q), dk = token_major_like(k), dv = token_major_like(v);
-  a.out = o.data_ptr();
-  set_strides(a.o_s, o);
-  a.dout = dO.data_ptr();
-  set_strides(a.do_s, dO);
-  a.dq = dq.data_ptr();
-  a.dk = dk.data_ptr();
-  a.dv = dv.data_ptr();
-  set_strides(a.dq_s, dq);
-  set_strides(a.dk_s, dk);
-  set_strides(a.dv_s, dv);
+  bind(a.out, a.o_s, o);
+  bind(a.dout, a.do_s, dO);
+  bind(a.dq, a.dq_s, dq);
+  bind(a.dk, a.dk_s, dk);
+  bind(a.dv, a.dv_s, dv);
   a.lse = lse.data_ptr<float>();
   a.mask = p > 0.0 ? mask.data_ptr<uint8_t>() : nullptr;
   launch(op, [&] { ls::short_attention_bwd(a, stream()); });

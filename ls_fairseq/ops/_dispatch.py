@@ -140,16 +140,16 @@ _CPP_LAYERS = True
 
 def explain(op: str) -> str:
     """One line: which path ``op`` takes on CUDA tensors, and why."""
-    entry = KERNEL_ENTRY.get(op)
-    sdpa = "torch scaled_dot_product_attention (flash / memory-efficient backends on CUDA; no per-shape plans)"
-    if entry is None:
-        return sdpa
+    entry = KERNEL_ENTRY[op]
     mod = _ext.get()
+    if op == "attention":  # the kernel for short sequences, SDPA for the rest (and without the extension)
+        sdpa = "torch scaled_dot_product_attention (flash / memory-efficient backends on CUDA; no per-shape plans)"
+        if mod is None or not hasattr(mod, entry):
+            return sdpa
+        return f"fused kernel ({_ext.source()} ls_fairseq._C.{entry}) for fp16/bf16 sequences up to 64 tokens; " \
+               f"otherwise {sdpa}"
     if mod is None:
-        return sdpa if op == "attention" else f"reference (extension unavailable: {_ext.reason()})"
+        return f"reference (extension unavailable: {_ext.reason()})"
     if not hasattr(mod, entry):
-        return sdpa if op == "attention" else f"reference (extension has no '{entry}')"
-    if op == "attention":
-        return (f"fused kernel ({_ext.source()} ls_fairseq._C.{entry}) for fp16/bf16 sequences up to 64 tokens; "
-                f"otherwise {sdpa}")
+        return f"reference (extension has no '{entry}')"
     return f"fused kernel on CUDA tensors ({_ext.source()} ls_fairseq._C.{entry}); reference on CPU"
