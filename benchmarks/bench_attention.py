@@ -4,7 +4,7 @@ For each length T (batch = tokens // T; 16 heads of 64, fp16, dropout 0.1) and e
 (none, causal, key padding) it times, in GPU ms per fwd+bwd (each captured once in a CUDA graph and
 replayed, as the training step runs it; median of 3 x 10 replays):
 
-* ls      ls_fairseq.ops.attention (the short-sequence kernel up to 64 tokens, SDPA beyond);
+* ls      ls_fairseq.ops.attention (the short-sequence kernel up to 128 tokens, SDPA beyond);
 * memeff  SDPA's memory-efficient backend alone;
 * flash   SDPA's flash backend alone;
 * math    SDPA's math backend;

@@ -2,12 +2,16 @@
 //
 //   out = dropout(softmax(q k^T / sqrt(D) + masks)) v      q [B, H, Tq, D], k, v [B, H, Tk, D]
 //
-// Why a kernel of our own: in a --max-tokens batch of sentences most sequences are 16-64 tokens long, and the
+// Why a kernel of our own: in a --max-tokens batch of sentences most sequences are 16-128 tokens long, and the
 // library kernels (flash and memory-efficient) tile 64-128 rows: measured on an H100 at 8192 tokens, 16 heads of
 // 64, one forward + backward took 0.19-0.43 ms where moving the tensors once takes about 0.05 (RESULTS.md). Here
-// one CTA holds one (sentence, head) whole in shared memory: every tensor is read once and written once, and the
-// products run on the tensor cores through WMMA (16x16x16 tiles, fp32 accumulation; the GEMMs are tiny, so no
-// library GEMM applies).
+// one CTA holds one (sentence, head) whole in shared memory, every tensor is read once and written once, and each
+// warp keeps its scores, probabilities and accumulators in registers, multiplying on the tensor cores with
+// mma.sync (m16n8k16, fp32 accumulation) over fragments loaded with ldmatrix.
+//   forward:  warp w owns query rows [16w, 16w + 16): S = q k^T, the softmax, P v.
+//   backward: warp w owns key rows [16w, 16w + 16): for every block of 16 queries it recomputes S^T and P^T,
+//             accumulates dv = P^T dout and dk = dS^T q in registers and leaves dS^T in shared memory; then warp w
+//             owns query rows [16w, 16w + 16) again for dq = dS k.
 //
 // Numerics (as flash attention's): scores and softmax in fp32, the probabilities rounded to the storage type for
 // the product with v, the softmax's log-sum-exp kept (fp32, base 2, in units of the scaled score) for the
@@ -18,9 +22,7 @@
 // one byte per group: byte ((b * H + h) * Tq + i) * mask_row + j / 8, bit j % 8 (mask_row = ceil(Tk / 8)); the
 // backward reads them (no RNG state crosses from the forward's CUDA graph to the backward's).
 // Layout: each tensor is addressed by its (batch, head, row) strides with the head dim contiguous; rows must be
-// 16-byte aligned (the adapter checks, and falls back to PyTorch's kernels otherwise).
-#include <mma.h>
-
+// 16-byte aligned (the adapter checks, and falls back to PyTorch's kernels otherwise). sm_80 or newer.
 #include <atomic>
 #include <type_traits>
 
@@ -30,52 +32,81 @@ namespace ls {
 
 namespace {
 
-using namespace nvcuda;
-
-constexpr int kMaxThreads = 256;  // 4 warps per CTA, 8 for the longest sequences (launcher)
 constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
 
-// Shared-memory layout of one CTA; TQ, TK: the lengths rounded up to 16. Element strides padded against bank
-// conflicts (WMMA wants multiples of 8 elements for 16-bit types and of 4 for fp32). The backward stages its
-// output rows through `stage`, which first holds out (for delta) and then dP.
-template <typename T, int D>
-struct Smem {
-  static constexpr int LD = D + 8;  // rows of q, k, v, dout (T)
-  int TQ, TK, LDS, LDP, LDG;
-  size_t q, k, v, dout, s, p, ds, stage, delta, lse, keep, total;
-  // the next region of `bytes` at `o` (128-byte aligned, as WMMA's 32-byte tiles and the 16-byte copies need)
-  __host__ __device__ static size_t take(size_t& o, size_t bytes) {
-    const size_t at = o;
-    o += (bytes + 127) / 128 * 128;
-    return at;
+// ---------------------------------------------------------------- tensor-core fragments (sm_80+)
+// mma.sync m16n8k16 with a row-major A (16 x 16: a[0] rows g, a[1] rows g + 8, a[2] / a[3] the same at k + 8) and
+// a column-major B (16 x 8), fp32 C (c[0], c[1]: row g, columns 2t, 2t + 1; c[2], c[3]: row g + 8), where
+// g = lane / 4 and t = lane % 4; each register of A and B holds two consecutive-k elements.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, __half>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __host__ __device__ Smem(int Tq, int Tk, bool backward) {
-    TQ = round16(Tq);
-    TK = round16(Tk);
-    LDS = TK + 4;
-    LDP = TK + 8;
-    LDG = D + 4;
-    const int R = TQ > TK ? TQ : TK;
-    size_t stage_floats = (size_t)R * LDG;
-    if (backward && (size_t)TQ * LDS > stage_floats) stage_floats = (size_t)TQ * LDS;
-    size_t o = 0;
-    q = take(o, sizeof(T) * TQ * LD);
-    k = take(o, sizeof(T) * TK * LD);
-    v = take(o, sizeof(T) * TK * LD);
-    dout = backward ? take(o, sizeof(T) * TQ * LD) : 0;
-    s = take(o, sizeof(float) * TQ * LDS);
-    p = take(o, sizeof(T) * TQ * LDP);
-    ds = backward ? take(o, sizeof(T) * TQ * LDP) : 0;
-    stage = take(o, sizeof(float) * stage_floats);
-    delta = backward ? take(o, sizeof(float) * TQ) : 0;
-    lse = backward ? take(o, sizeof(float) * TQ) : 0;
-    keep = backward ? take(o, (size_t)TQ * ((Tk + 7) / 8)) : 0;
-    total = o;
-  }
-};
+}
 
+// two floats as the storage type's pair (the first in the low half: the lower k or column)
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same<T, __half>::value) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// A fragment: rows [m0, m0 + 16), k [k0, k0 + 16) of a row-major shared matrix (row stride ld elements)
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* base, int ld, int m0, int k0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  ldsm_x4<false>(a, base + (m0 + r + (m & 1) * 8) * ld + k0 + (m >> 1) * 8);
+}
+// A fragment of A = S^T: S stored row-major with rows = k, columns = m
+template <typename T>
+__device__ __forceinline__ void load_a_t(uint32_t (&a)[4], const T* base, int ld, int m0, int k0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  ldsm_x4<true>(a, base + (k0 + r + (m >> 1) * 8) * ld + m0 + (m & 1) * 8);
+}
+// B fragments of two n-tiles (b[0], b[1]: columns [n0, n0 + 8); b[2], b[3]: [n0 + 8, n0 + 16)) for k [k0, k0 + 16)
+// from a shared matrix stored with rows = n, columns = k (B^T row-major: k of S = q k^T)
+template <typename T>
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* base, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  ldsm_x4<false>(b, base + (n0 + r + (m >> 1) * 8) * ld + k0 + (m & 1) * 8);
+}
+// the same from a shared matrix stored with rows = k, columns = n (B row-major: v of P v)
+template <typename T>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* base, int ld, int k0, int n0) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+  ldsm_x4<true>(b, base + (k0 + r + (m & 1) * 8) * ld + n0 + (m >> 1) * 8);
+}
+
+// ---------------------------------------------------------------- shared memory
 // 16 bytes global -> shared without passing through registers (sm_80+); valid == false writes zeros
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -94,135 +125,207 @@ __device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int64_t 
   }
 }
 
-// rows [0, n) of an fp32 stage (row stride D + 4) to a strided [*, D] matrix in T
+// one warp: the fp32 accumulators acc[D / 8][4] of rows [r0, r0 + 16) as T into shared rows (stride ld), then
+// rows [r0, min(r0 + 16, n)) to global memory (row stride row_stride), 16 bytes at a time
 template <typename T, int D>
-__device__ __forceinline__ void store_rows(T* __restrict__ dst, const float* __restrict__ stage, int64_t row_stride,
-                                           int n) {
+__device__ __forceinline__ void warp_store_rows(T* out, int64_t row_stride, int n, T* stage, int ld, int r0,
+                                                const float (&acc)[D / 8][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int e = 0; e < D / 8; ++e) {
+    *reinterpret_cast<uint32_t*>(stage + (r0 + g) * ld + 8 * e + 2 * t) = pack2<T>(acc[e][0], acc[e][1]);
+    *reinterpret_cast<uint32_t*>(stage + (r0 + g + 8) * ld + 8 * e + 2 * t) = pack2<T>(acc[e][2], acc[e][3]);
+  }
+  __syncwarp();
   constexpr int V = D / 8;
-  for (int e = threadIdx.x; e < n * V; e += blockDim.x) {
+  for (int e = lane; e < 16 * V; e += 32) {
     const int r = e / V, c = (e - r * V) * 8;
-    float f[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) f[k] = stage[r * (D + 4) + c + k];
-    store8(dst + r * row_stride + c, f);
+    if (r0 + r < n)
+      *reinterpret_cast<uint4*>(out + (r0 + r) * row_stride + c) =
+          *reinterpret_cast<const uint4*>(stage + (r0 + r) * ld + c);
   }
+  __syncwarp();
 }
 
-// C [M, N] (fp32, row stride ldc) = A [M, K] B [K, N] over 16x16 tiles spread across the warps. A is row-major
-// (row stride lda) or, with A_T, stored transposed (A[m][k] at a[k * lda + m]); B likewise with B_T.
-template <typename T, bool A_T, bool B_T>
-__device__ __forceinline__ void warp_gemm(float* c, int ldc, const T* a, int lda, const T* b, int ldb, int M, int N,
-                                          int K) {
-  using LA = std::conditional_t<A_T, wmma::col_major, wmma::row_major>;
-  using LB = std::conditional_t<B_T, wmma::col_major, wmma::row_major>;
-  const int warps = blockDim.x / 32, tn = N / 16, tiles = (M / 16) * tn;
-  for (int t = threadIdx.x / 32; t < tiles; t += warps) {
-    const int tm = t / tn, tc = t - tm * tn;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
-    for (int kk = 0; kk < K; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, LA> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LB> fb;
-      wmma::load_matrix_sync(fa, A_T ? a + kk * lda + tm * 16 : a + tm * 16 * lda + kk, lda);
-      wmma::load_matrix_sync(fb, B_T ? b + tc * 16 * ldb + kk : b + kk * ldb + tc * 16, ldb);
-      wmma::mma_sync(acc, fa, fb, acc);
-    }
-    wmma::store_matrix_sync(c + tm * 16 * ldc + tc * 16, acc, ldc, wmma::mem_row_major);
+// Shared-memory layout; TQ, TK: the lengths rounded up to 16.
+template <typename T, int D>
+struct Smem {
+  static constexpr int LD = D + 8;  // rows of q, k, v, dout (T): 16-byte aligned, ldmatrix without bank conflicts
+  int TQ, TK, LDQ;                  // LDQ: rows of dS^T (T), TQ + 8
+  size_t q, k, v, dout, ds, delta, lse, keep, att, total;
+  __host__ __device__ static size_t take(size_t& o, size_t bytes) {
+    const size_t at = o;
+    o += (bytes + 127) / 128 * 128;
+    return at;
   }
-}
-
-// Which keys of this lane's two columns (lane, lane + 32) a query row sees: padding is the same for every row
-// (read once), causality depends on the row.
-struct LaneKeys {
-  bool key[2];
-  int Tq, Tk;
-  bool causal;
-  __device__ LaneKeys(const ShortAttentionArgs& a, int b, int lane) : Tq(a.Tq), Tk(a.Tk), causal(a.causal) {
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int j = lane + 32 * u;
-      key[u] = j < a.Tk && (a.attend == nullptr || a.attend[(int64_t)b * a.Tk + j] != 0);
-    }
-  }
-  __device__ __forceinline__ bool sees(int i, int u, int lane) const {
-    return i < Tq && key[u] && (!causal || lane + 32 * u <= i + Tk - Tq);
+  __host__ __device__ Smem(int Tq, int Tk, bool backward) {
+    TQ = round16(Tq);
+    TK = round16(Tk);
+    LDQ = TQ + 8;
+    size_t o = 0;
+    q = take(o, sizeof(T) * TQ * LD);
+    k = take(o, sizeof(T) * TK * LD);
+    v = take(o, sizeof(T) * TK * LD);
+    dout = backward ? take(o, sizeof(T) * TQ * LD) : 0;
+    // dS^T; before it, out (for delta)
+    const size_t ds_elems = (size_t)TK * LDQ > (size_t)TQ * LD ? (size_t)TK * LDQ : (size_t)TQ * LD;
+    ds = backward ? take(o, sizeof(T) * ds_elems) : 0;
+    delta = backward ? take(o, sizeof(float) * TQ) : 0;
+    lse = backward ? take(o, sizeof(float) * TQ) : 0;
+    keep = backward ? take(o, (size_t)TQ * ((Tk + 7) / 8)) : 0;
+    att = take(o, TK);
+    total = o;
   }
 };
 
-// keep bit of column j from the byte of its group of 8, held by lane j / 8
-__device__ __forceinline__ bool keep_bit(uint32_t bits, int j) {
-  const uint32_t g = __shfl_sync(0xffffffffu, bits, (j >> 3) & 31);
-  return (g >> (j & 7)) & 1u;
+// att[j] = 1 where key j exists and is not padding (the padding is the same for every query row)
+__device__ __forceinline__ void load_keys(uint8_t* att, const ShortAttentionArgs& a, int b, int TK) {
+  for (int j = threadIdx.x; j < TK; j += blockDim.x)
+    att[j] = j < a.Tk && (a.attend == nullptr || a.attend[(int64_t)b * a.Tk + j] != 0);
 }
 
 }  // namespace
 
 // ================================================================ forward
-template <typename T, int D>
-__global__ void __launch_bounds__(kMaxThreads) short_attention_fwd_kernel(ShortAttentionArgs a, PhiloxArgs rng,
-                                                                           uint32_t threshold) {
+// KC: the key capacity (TK <= KC) that sizes the score registers
+template <typename T, int D, int KC>
+__global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttentionArgs a, PhiloxArgs rng,
+                                                                   uint32_t threshold) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int LD = Smem<T, D>::LD;
+  constexpr int LD = Smem<T, D>::LD, NT = KC / 8;
   const Smem<T, D> L(a.Tq, a.Tk, false);
   T* sq = reinterpret_cast<T*>(smem + L.q);
   T* sk = reinterpret_cast<T*>(smem + L.k);
   T* sv = reinterpret_cast<T*>(smem + L.v);
-  float* ss = reinterpret_cast<float*>(smem + L.s);
-  T* sp = reinterpret_cast<T*>(smem + L.p);
-  float* stage = reinterpret_cast<float*>(smem + L.stage);
-  const int bh = blockIdx.x, b = bh / a.H, h = bh - b * a.H, Tq = a.Tq, Tk = a.Tk;
+  uint8_t* att = smem + L.att;
+  const int bh = blockIdx.x, b = bh / a.H, h = bh - b * a.H, Tq = a.Tq, Tk = a.Tk, mask_row = (Tk + 7) / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, r0 = (threadIdx.x >> 5) * 16;
   load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + b * a.q_s[0] + h * a.q_s[1], a.q_s[2], Tq, L.TQ);
   load_rows<T, D>(sk, LD, static_cast<const T*>(a.k) + b * a.k_s[0] + h * a.k_s[1], a.k_s[2], Tk, L.TK);
   load_rows<T, D>(sv, LD, static_cast<const T*>(a.v) + b * a.v_s[0] + h * a.v_s[1], a.v_s[2], Tk, L.TK);
-  const int lane = threadIdx.x & 31, warps = blockDim.x / 32, mask_row = (Tk + 7) / 8;
-  const LaneKeys keys(a, b, lane);  // its loads overlap the copies
+  load_keys(att, a, b, L.TK);
   uint64_t seed = 0, offset = 0;
   if (a.p > 0.f) philox_unpack(rng, seed, offset);
   cp_async_wait_all();
   __syncthreads();
-  warp_gemm<T, false, true>(ss, L.LDS, sq, LD, sk, LD, L.TQ, L.TK, D);  // S = q k^T
-  __syncthreads();
 
-  const float scale = a.scale * kLog2e, keep_scale = 1.f / (1.f - a.p);
-  for (int i = threadIdx.x / 32; i < L.TQ; i += warps) {
-    float x[2];
-    bool ok[2];
+  // S = q k^T for this warp's 16 rows: s[j] is the n-tile of keys [8j, 8j + 8)
+  float s[NT][4];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      ok[u] = keys.sees(i, u, lane);
-      x[u] = ok[u] ? ss[i * L.LDS + lane + 32 * u] * scale : -INFINITY;
-    }
-    float m = warp_max(fmaxf(x[0], x[1]));
-    if (m == -INFINITY) m = 0.f;  // no visible key: probabilities 0
-    float e[2];
+  for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) e[u] = ok[u] ? exp2f(x[u] - m) : 0.f;
-    const float sum = warp_sum(e[0] + e[1]);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    uint32_t bits = 0xFFu;
-    if (a.p > 0.f && i < Tq && lane < mask_row) {
-      const int64_t g = ((int64_t)bh * Tq + i) * mask_row + lane;
-      bits = dropout_bits((uint64_t)g, seed, offset, threshold);
-      a.mask[g] = static_cast<uint8_t>(bits);
-    }
+  for (int kk = 0; kk < D; kk += 16) {
+    uint32_t qa[4];
+    load_a(qa, sq, LD, r0, kk);
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int j = lane + 32 * u;
-      float pv = e[u] * inv;
-      if (a.p > 0.f) pv = keep_bit(bits, j) ? pv * keep_scale : 0.f;
-      if (j < L.TK) sp[i * L.LDP + j] = from_f<T>(pv);
+    for (int jp = 0; jp < NT / 2; ++jp) {
+      if (16 * jp < L.TK) {
+        uint32_t kb[4];
+        load_b_nk(kb, sk, LD, 16 * jp, kk);
+        mma16816<T>(s[2 * jp], qa, kb[0], kb[1]);
+        mma16816<T>(s[2 * jp + 1], qa, kb[2], kb[3]);
+      }
     }
-    if (lane == 0 && i < Tq && a.lse != nullptr) a.lse[(int64_t)bh * Tq + i] = sum > 0.f ? m + log2f(sum) : INFINITY;
   }
-  __syncthreads();
-  warp_gemm<T, false, false>(stage, L.LDG, sp, L.LDP, sv, LD, L.TQ, D, L.TK);  // out = P v
-  __syncthreads();
-  store_rows<T, D>(static_cast<T*>(a.out) + b * a.o_s[0] + h * a.o_s[1], stage, a.o_s[2], Tq);
+
+  // softmax of rows r0 + g (elements 0, 1) and r0 + g + 8 (elements 2, 3), in registers
+  const float scale = a.scale * kLog2e, keep_scale = 1.f / (1.f - a.p);
+  const int row[2] = {r0 + g, r0 + g + 8};
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = row[e >> 1], col = 8 * j + 2 * t4 + (e & 1);
+      const bool ok = 8 * j < L.TK && i < Tq && att[col] && (!a.causal || col <= i + Tk - Tq);
+      s[j][e] = ok ? s[j][e] * scale : -INFINITY;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+    }
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    mx[u] = fmaxf(mx[u], __shfl_xor_sync(0xffffffffu, mx[u], 1));
+    mx[u] = fmaxf(mx[u], __shfl_xor_sync(0xffffffffu, mx[u], 2));
+    if (mx[u] == -INFINITY) mx[u] = 0.f;  // no visible key: probabilities 0
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[j][e] = exp2f(s[j][e] - mx[e >> 1]);  // exp2(-inf) = 0 for the masked
+      sum[e >> 1] += s[j][e];
+    }
+  }
+  float inv[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], 1);
+    sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], 2);
+    inv[u] = sum[u] > 0.f ? 1.f / sum[u] : 0.f;
+    if (t4 == 0 && row[u] < Tq && a.lse != nullptr)
+      a.lse[(int64_t)bh * Tq + row[u]] = sum[u] > 0.f ? mx[u] + log2f(sum[u]) : INFINITY;
+  }
+  // dropout: lane t4 of a quad draws the key groups j = t4, t4 + 4, ... of its two rows; the quad shares them
+  uint32_t bits[2][(NT + 3) / 4];
+#pragma unroll
+  for (int jj = 0; jj < (NT + 3) / 4; ++jj) {
+    bits[0][jj] = bits[1][jj] = 0xFFu;
+    const int j = 4 * jj + t4;
+    if (a.p > 0.f && j < mask_row) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (row[u] < Tq) {
+          const int64_t grp = ((int64_t)bh * Tq + row[u]) * mask_row + j;
+          bits[u][jj] = dropout_bits((uint64_t)grp, seed, offset, threshold);
+          a.mask[grp] = static_cast<uint8_t>(bits[u][jj]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    if (a.p > 0.f) {  // uniform across the warp
+      const int src = (lane & ~3) | (j & 3);
+      const uint32_t b0 = __shfl_sync(0xffffffffu, bits[0][j >> 2], src);
+      const uint32_t b1 = __shfl_sync(0xffffffffu, bits[1][j >> 2], src);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t by = (e >> 1) ? b1 : b0;
+        s[j][e] = ((by >> (2 * t4 + (e & 1))) & 1u) ? s[j][e] * inv[e >> 1] * keep_scale : 0.f;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= inv[e >> 1];
+    }
+  }
+
+  // out = P v: the probabilities' accumulator layout is the A fragment layout of the next product
+  float o[D / 8][4];
+#pragma unroll
+  for (int e = 0; e < D / 8; ++e) o[e][0] = o[e][1] = o[e][2] = o[e][3] = 0.f;
+#pragma unroll
+  for (int kt = 0; kt < NT / 2; ++kt) {
+    if (16 * kt < L.TK) {
+      const uint32_t pa[4] = {pack2<T>(s[2 * kt][0], s[2 * kt][1]), pack2<T>(s[2 * kt][2], s[2 * kt][3]),
+                              pack2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                              pack2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+#pragma unroll
+      for (int ep = 0; ep < D / 16; ++ep) {
+        uint32_t vb[4];
+        load_b_kn(vb, sv, LD, 16 * kt, 16 * ep);
+        mma16816<T>(o[2 * ep], pa, vb[0], vb[1]);
+        mma16816<T>(o[2 * ep + 1], pa, vb[2], vb[3]);
+      }
+    }
+  }
+  // this warp's q rows are its own: they stage the output
+  warp_store_rows<T, D>(static_cast<T*>(a.out) + b * a.o_s[0] + h * a.o_s[1], a.o_s[2], Tq, sq, LD, r0, o);
 }
 
 // ================================================================ backward
 template <typename T, int D>
-__global__ void __launch_bounds__(kMaxThreads) short_attention_bwd_kernel(ShortAttentionArgs a) {
+__global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttentionArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int LD = Smem<T, D>::LD;
   const Smem<T, D> L(a.Tq, a.Tk, true);
@@ -230,87 +333,136 @@ __global__ void __launch_bounds__(kMaxThreads) short_attention_bwd_kernel(ShortA
   T* sk = reinterpret_cast<T*>(smem + L.k);
   T* sv = reinterpret_cast<T*>(smem + L.v);
   T* sdo = reinterpret_cast<T*>(smem + L.dout);
-  float* ss = reinterpret_cast<float*>(smem + L.s);
-  T* sp = reinterpret_cast<T*>(smem + L.p);
-  T* sds = reinterpret_cast<T*>(smem + L.ds);
-  float* stage = reinterpret_cast<float*>(smem + L.stage);
-  T* so = reinterpret_cast<T*>(smem + L.stage);  // out, until delta is known
+  T* sds = reinterpret_cast<T*>(smem + L.ds);  // dS^T [TK, LDQ]; at first out [TQ, LD]
   float* sdelta = reinterpret_cast<float*>(smem + L.delta);
   float* slse = reinterpret_cast<float*>(smem + L.lse);
   uint8_t* skeep = smem + L.keep;
-  const int bh = blockIdx.x, b = bh / a.H, h = bh - b * a.H, Tq = a.Tq, Tk = a.Tk;
+  uint8_t* att = smem + L.att;
+  const int bh = blockIdx.x, b = bh / a.H, h = bh - b * a.H, Tq = a.Tq, Tk = a.Tk, mask_row = (Tk + 7) / 8;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + b * a.q_s[0] + h * a.q_s[1], a.q_s[2], Tq, L.TQ);
   load_rows<T, D>(sk, LD, static_cast<const T*>(a.k) + b * a.k_s[0] + h * a.k_s[1], a.k_s[2], Tk, L.TK);
   load_rows<T, D>(sv, LD, static_cast<const T*>(a.v) + b * a.v_s[0] + h * a.v_s[1], a.v_s[2], Tk, L.TK);
   load_rows<T, D>(sdo, LD, static_cast<const T*>(a.dout) + b * a.do_s[0] + h * a.do_s[1], a.do_s[2], Tq, L.TQ);
-  load_rows<T, D>(so, LD, static_cast<const T*>(a.out) + b * a.o_s[0] + h * a.o_s[1], a.o_s[2], Tq, L.TQ);
-  const int lane = threadIdx.x & 31, warps = blockDim.x / 32, mask_row = (Tk + 7) / 8;
+  load_rows<T, D>(sds, LD, static_cast<const T*>(a.out) + b * a.o_s[0] + h * a.o_s[1], a.o_s[2], Tq, L.TQ);
   for (int i = threadIdx.x; i < L.TQ; i += blockDim.x) slse[i] = i < Tq ? a.lse[(int64_t)bh * Tq + i] : INFINITY;
   if (a.p > 0.f) {
     const uint8_t* keep = a.mask + (int64_t)bh * Tq * mask_row;
     for (int e = threadIdx.x; e < Tq * mask_row; e += blockDim.x) skeep[e] = keep[e];
   }
-  const LaneKeys keys(a, b, lane);
+  load_keys(att, a, b, L.TK);
   cp_async_wait_all();
   __syncthreads();
-  for (int i = threadIdx.x / 32; i < L.TQ; i += warps) {  // delta_i = sum_d dout * out (the softmax backward's)
+  for (int i = warp; i < L.TQ; i += warps) {  // delta_i = sum_d dout * out (the softmax backward's)
     float acc = 0.f;
-    for (int d = lane; d < D; d += 32) acc += to_f(sdo[i * LD + d]) * to_f(so[i * LD + d]);
+    for (int d = lane; d < D; d += 32) acc += to_f(sdo[i * LD + d]) * to_f(sds[i * LD + d]);
     acc = warp_sum(acc);
     if (lane == 0) sdelta[i] = acc;
   }
-  warp_gemm<T, false, true>(ss, L.LDS, sq, LD, sk, LD, L.TQ, L.TK, D);  // S = q k^T
-  __syncthreads();
-  warp_gemm<T, false, true>(stage, L.LDS, sdo, LD, sv, LD, L.TQ, L.TK, D);  // dP (of the dropped P) = dout v^T
   __syncthreads();
 
   const float scale = a.scale * kLog2e, keep_scale = 1.f / (1.f - a.p);
-  for (int i = threadIdx.x / 32; i < L.TQ; i += warps) {
-    const uint32_t bits = a.p > 0.f && i < Tq && lane < mask_row ? skeep[i * mask_row + lane] : 0xFFu;
+  // keys [k0, k0 + 16) per warp: dv = P^T dout, dk = dS^T q over all queries, dS^T left in shared memory
+  for (int k0 = 16 * warp; k0 < L.TK; k0 += 16 * warps) {
+    float dv[D / 8][4], dk[D / 8][4];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int j = lane + 32 * u;
-      const bool ok = keys.sees(i, u, lane);
-      const float p = ok ? exp2f(ss[i * L.LDS + j] * scale - slse[i]) : 0.f;
-      float keep = 1.f;
-      if (a.p > 0.f) keep = keep_bit(bits, j) ? keep_scale : 0.f;
-      if (j < L.TK) {
-        const float dp = ok ? stage[i * L.LDS + j] : 0.f;
-        sp[i * L.LDP + j] = from_f<T>(p * keep);                                // dropped P, for dv
-        sds[i * L.LDP + j] = from_f<T>(p * (dp * keep - sdelta[i]) * a.scale);  // dS / sqrt(D)
+    for (int e = 0; e < D / 8; ++e)
+#pragma unroll
+      for (int z = 0; z < 4; ++z) dv[e][z] = dk[e][z] = 0.f;
+    const int key[2] = {k0 + g, k0 + g + 8};
+    for (int q0 = 0; q0 < L.TQ; q0 += 16) {
+      float st[2][4] = {}, dpt[2][4] = {};  // S^T and dP^T (of the dropped P) of these keys x queries [q0, q0 + 16)
+#pragma unroll
+      for (int kk = 0; kk < D; kk += 16) {
+        uint32_t ka[4], va[4], qb[4], ob[4];
+        load_a(ka, sk, LD, k0, kk);
+        load_a(va, sv, LD, k0, kk);
+        load_b_nk(qb, sq, LD, q0, kk);
+        load_b_nk(ob, sdo, LD, q0, kk);
+        mma16816<T>(st[0], ka, qb[0], qb[1]);
+        mma16816<T>(st[1], ka, qb[2], qb[3]);
+        mma16816<T>(dpt[0], va, ob[0], ob[1]);
+        mma16816<T>(dpt[1], va, ob[2], ob[3]);
+      }
+      float pd[2][4], ds[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kj = key[e >> 1], qi = q0 + 8 * n + 2 * t4 + (e & 1);
+          const bool ok = qi < Tq && att[kj] && (!a.causal || kj <= qi + Tk - Tq);
+          const float p = ok ? exp2f(st[n][e] * scale - slse[qi]) : 0.f;
+          float keep = 1.f;
+          if (a.p > 0.f && ok) keep = ((skeep[qi * mask_row + (kj >> 3)] >> (kj & 7)) & 1u) ? keep_scale : 0.f;
+          pd[n][e] = p * keep;
+          ds[n][e] = ok ? p * (dpt[n][e] * keep - sdelta[qi]) * a.scale : 0.f;
+        }
+      }
+      // their accumulator layout is the A fragment of [these keys x queries q0 .. q0 + 15]
+      const uint32_t pa[4] = {pack2<T>(pd[0][0], pd[0][1]), pack2<T>(pd[0][2], pd[0][3]),
+                              pack2<T>(pd[1][0], pd[1][1]), pack2<T>(pd[1][2], pd[1][3])};
+      const uint32_t da[4] = {pack2<T>(ds[0][0], ds[0][1]), pack2<T>(ds[0][2], ds[0][3]),
+                              pack2<T>(ds[1][0], ds[1][1]), pack2<T>(ds[1][2], ds[1][3])};
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {  // dS^T for dq: rows = keys, columns = queries
+        *reinterpret_cast<uint32_t*>(sds + key[0] * L.LDQ + q0 + 8 * n + 2 * t4) = da[2 * n];
+        *reinterpret_cast<uint32_t*>(sds + key[1] * L.LDQ + q0 + 8 * n + 2 * t4) = da[2 * n + 1];
+      }
+#pragma unroll
+      for (int ep = 0; ep < D / 16; ++ep) {
+        uint32_t ob[4], qb[4];
+        load_b_kn(ob, sdo, LD, q0, 16 * ep);
+        load_b_kn(qb, sq, LD, q0, 16 * ep);
+        mma16816<T>(dv[2 * ep], pa, ob[0], ob[1]);
+        mma16816<T>(dv[2 * ep + 1], pa, ob[2], ob[3]);
+        mma16816<T>(dk[2 * ep], da, qb[0], qb[1]);
+        mma16816<T>(dk[2 * ep + 1], da, qb[2], qb[3]);
       }
     }
+    // this warp's v rows are its own from here: they stage dv, then dk
+    warp_store_rows<T, D>(static_cast<T*>(a.dv) + b * a.dv_s[0] + h * a.dv_s[1], a.dv_s[2], Tk, sv, LD, k0, dv);
+    warp_store_rows<T, D>(static_cast<T*>(a.dk) + b * a.dk_s[0] + h * a.dk_s[1], a.dk_s[2], Tk, sv, LD, k0, dk);
   }
   __syncthreads();
-  T* dq = static_cast<T*>(a.dq) + b * a.dq_s[0] + h * a.dq_s[1];
-  T* dk = static_cast<T*>(a.dk) + b * a.dk_s[0] + h * a.dk_s[1];
-  T* dv = static_cast<T*>(a.dv) + b * a.dv_s[0] + h * a.dv_s[1];
-  warp_gemm<T, true, false>(stage, L.LDG, sp, L.LDP, sdo, LD, L.TK, D, L.TQ);  // dv = P^T dout
-  __syncthreads();
-  store_rows<T, D>(dv, stage, a.dv_s[2], Tk);
-  __syncthreads();
-  warp_gemm<T, true, false>(stage, L.LDG, sds, L.LDP, sq, LD, L.TK, D, L.TQ);  // dk = dS^T q
-  __syncthreads();
-  store_rows<T, D>(dk, stage, a.dk_s[2], Tk);
-  __syncthreads();
-  warp_gemm<T, false, false>(stage, L.LDG, sds, L.LDP, sk, LD, L.TQ, D, L.TK);  // dq = dS k
-  __syncthreads();
-  store_rows<T, D>(dq, stage, a.dq_s[2], Tq);
+  // queries [q0, q0 + 16) per warp: dq = dS k
+  for (int q0 = 16 * warp; q0 < L.TQ; q0 += 16 * warps) {
+    float dq[D / 8][4];
+#pragma unroll
+    for (int e = 0; e < D / 8; ++e) dq[e][0] = dq[e][1] = dq[e][2] = dq[e][3] = 0.f;
+    for (int k0 = 0; k0 < L.TK; k0 += 16) {
+      uint32_t dsa[4];
+      load_a_t(dsa, sds, L.LDQ, q0, k0);
+#pragma unroll
+      for (int ep = 0; ep < D / 16; ++ep) {
+        uint32_t kb[4];
+        load_b_kn(kb, sk, LD, k0, 16 * ep);
+        mma16816<T>(dq[2 * ep], dsa, kb[0], kb[1]);
+        mma16816<T>(dq[2 * ep + 1], dsa, kb[2], kb[3]);
+      }
+    }
+    // q is not read any more: its rows stage dq
+    warp_store_rows<T, D>(static_cast<T*>(a.dq) + b * a.dq_s[0] + h * a.dq_s[1], a.dq_s[2], Tq, sq, LD, q0, dq);
+  }
 }
 
 // ================================================================ launchers
 namespace {
 
-// 8 warps where there are 16 or more score tiles (lengths over 48), else 4
-int threads_for(int TQ, int TK) { return (TQ / 16) * (TK / 16) >= 16 ? 256 : 128; }
+template <typename T, int D, int KC>
+void launch_fwd_kc(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream) {
+  const Smem<T, D> L(a.Tq, a.Tk, false);
+  auto kern = short_attention_fwd_kernel<T, D, KC>;
+  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(L.total));
+  kern<<<a.B * a.H, 2 * L.TQ, L.total, stream>>>(a, rng, a.p > 0.f ? dropout_threshold(a.p) : 0u);
+  check_launch("short_attention_fwd", stream);
+}
 
 template <typename T, int D>
 void launch_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream) {
-  const Smem<T, D> L(a.Tq, a.Tk, false);
-  auto kern = short_attention_fwd_kernel<T, D>;
-  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(L.total));
-  kern<<<a.B * a.H, threads_for(L.TQ, L.TK), L.total, stream>>>(a, rng, a.p > 0.f ? dropout_threshold(a.p) : 0u);
-  check_launch("short_attention_fwd", stream);
+  const int TK = round16(a.Tk);
+  if (TK <= 32) launch_fwd_kc<T, D, 32>(a, rng, stream);
+  else if (TK <= 64) launch_fwd_kc<T, D, 64>(a, rng, stream);
+  else launch_fwd_kc<T, D, 128>(a, rng, stream);
 }
 
 template <typename T, int D>
@@ -318,7 +470,7 @@ void launch_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
   const Smem<T, D> L(a.Tq, a.Tk, true);
   auto kern = short_attention_bwd_kernel<T, D>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(L.total));
-  kern<<<a.B * a.H, threads_for(L.TQ, L.TK), L.total, stream>>>(a);
+  kern<<<a.B * a.H, 2 * (L.TQ > L.TK ? L.TQ : L.TK), L.total, stream>>>(a);
   check_launch("short_attention_bwd", stream);
 }
 

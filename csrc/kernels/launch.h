@@ -137,7 +137,7 @@ void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int cou
 
 // ================================================================ attention.cu
 // Attention over short padded sequences, one CTA per (batch, head) (attention.cu describes the numerics).
-constexpr int kShortAttentionMax = 64;  // the longest query and key length the kernels take
+constexpr int kShortAttentionMax = 128;  // the longest query and key length the kernels take
 struct ShortAttentionArgs {
   DType dt = DType::F16;  // F16 or BF16
   int B = 0, H = 0, Tq = 0, Tk = 0, D = 0;  // D: 32, 64 or 128; 1 <= Tq, Tk <= kShortAttentionMax; sm_80+

@@ -69,7 +69,7 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 // attention.cpp: attention over short padded sequences (csrc/kernels/attention.cu). q [B, H, Tq, D], k, v
 // [B, H, Tk, D] (any strides with the head dim contiguous), attend [B, Tk] bool / uint8 (nonzero = attend) or
 // absent; causal: query i sees keys j <= i + Tk - Tq. short_attention_fits: whether the kernel takes these tensors
-// (CUDA fp16 / bf16, D 32 / 64 / 128, 1 <= Tq, Tk <= 64, 16-byte aligned rows, sm_80+ with the shared memory it
+// (CUDA fp16 / bf16, D 32 / 64 / 128, 1 <= Tq, Tk <= 128, 16-byte aligned rows, sm_80+ with the shared memory it
 // needs); the callers run SDPA otherwise.
 bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend);
 std::vector<Tensor> short_attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,

@@ -21,7 +21,7 @@ KERNEL_ENTRY = {
     "embedding": "embedding_fwd",
     "qkv_split": "qkv_split_fwd",
     "merge_heads": "merge_heads_fwd",
-    "attention": "ag_short_attention",  # the kernel for sequences up to 64 tokens; SDPA for longer ones
+    "attention": "ag_short_attention",  # the kernel for sequences up to 128 tokens; SDPA for longer ones
     "label_smoothed_cross_entropy": "ls_cross_entropy_fwd",
     "adam": "adam_step",
     "grad_norm": "grad_norm",
@@ -146,7 +146,7 @@ def explain(op: str) -> str:
         sdpa = "torch scaled_dot_product_attention (flash / memory-efficient backends on CUDA; no per-shape plans)"
         if mod is None or not hasattr(mod, entry):
             return sdpa
-        return f"fused kernel ({_ext.source()} ls_fairseq._C.{entry}) for fp16/bf16 sequences up to 64 tokens; " \
+        return f"fused kernel ({_ext.source()} ls_fairseq._C.{entry}) for fp16/bf16 sequences up to 128 tokens; " \
                f"otherwise {sdpa}"
     if mod is None:
         return f"reference (extension unavailable: {_ext.reason()})"

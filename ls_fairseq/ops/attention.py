@@ -3,7 +3,7 @@
 qkv_split: [B, T, 3C] (+ bias [3C]) -> q, k, v each [B, H, T, C/H]
 kv_split:  [B, S, 2C] slice (+ bias [2C]) -> k, v each [B, H, S, C/H]
 merge_heads: [B, H, T, D] -> [B, T, H*D]
-attention: softmax(q k^T / sqrt(D) + masks) v: on CUDA in fp16 / bf16 with both lengths <= 64 through the
+attention: softmax(q k^T / sqrt(D) + masks) v: on CUDA in fp16 / bf16 with both lengths <= 128 through the
            kernel of csrc/kernels/attention.cu, otherwise through scaled_dot_product_attention;
            key_padding_mask [B, S] bool (True = padding), optional causal mask; or, with ``varlen``,
            over packed sequences: q [1, H, Nq, D], k, v [1, H, Nk, D] hold sequences back to back
@@ -215,7 +215,7 @@ def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _SDPA_SHORT = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 SHORT_ATTENTION_LEN = 64
-SHORT_KERNEL_LEN = 64  # kShortAttentionMax of csrc/kernels/launch.h
+SHORT_KERNEL_LEN = 128  # kShortAttentionMax of csrc/kernels/launch.h
 _HAS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 LOWP = [torch.float16, torch.bfloat16]
 # B, H, Tq, Tk, D
 SHAPES = [(1, 1, 1, 1, 64), (3, 2, 17, 17, 64), (2, 3, 64, 64, 64), (2, 2, 5, 37, 128), (4, 16, 16, 16, 64),
-          (2, 3, 1, 40, 64), (3, 2, 29, 13, 32), (1, 4, 48, 64, 128)]
+          (2, 3, 1, 40, 64), (3, 2, 29, 13, 32), (1, 4, 48, 64, 128), (2, 2, 100, 128, 64), (1, 3, 128, 128, 64),
+          (2, 2, 70, 90, 128), (2, 2, 97, 97, 32)]
 
 
 def _mod():
@@ -119,7 +120,8 @@ def test_token_major_inputs(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
-@pytest.mark.parametrize("shape", [(3, 2, 17, 17, 64), (2, 3, 64, 64, 64), (2, 2, 5, 37, 128)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 2, 17, 17, 64), (2, 3, 64, 64, 64), (2, 2, 5, 37, 128), (2, 2, 120, 120, 64)],
+                         ids=str)
 @pytest.mark.parametrize("kind", ["padding", "causal"])
 def test_dropout_replays_its_keep_bits(dtype, shape, kind):
     keep = _compare(shape, dtype, kind, "head_major", 0.1)
@@ -158,7 +160,7 @@ def test_public_op_takes_the_kernel_and_falls_back(dtype):
     """ops.attention runs the kernel for short fp16 / bf16 sequences (token-major output: the merge is a view)
     and SDPA beyond its limits; both agree with the reference."""
     mod = _mod()
-    for T, D, fits in ((20, 64, True), (64, 32, True), (65, 64, False), (20, 48, False)):
+    for T, D, fits in ((20, 64, True), (64, 32, True), (100, 64, True), (129, 64, False), (20, 48, False)):
         q, k, v, dout = _inputs((2, 3, T, T, D), dtype, "head_major")
         kpm = torch.zeros(2, T, dtype=torch.bool, device="cuda")
         kpm[0, :3] = True
