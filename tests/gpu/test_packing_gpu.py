@@ -133,7 +133,11 @@ def _small_model(dtype, attention_dropout=0.0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_model_matches_the_padded_model_on_the_gpu(dtype):
     """The packed forward and backward (C++ layers, the kernels over packed sentences) against the padded
-    one: the counted logits and every gradient, within the dtype's rounding (other GEMM shapes)."""
+    one: the counted logits within the dtype's rounding and every gradient. In fp32 the gradients match
+    elementwise; in bf16 both paths round differently (other GEMM shapes, other attention kernels) and on this
+    small batch one rounding can flip a ReLU, so each bf16 gradient is held to the fp32 model's: the packed one
+    may be at most twice as far from it (relative L2) as the padded one is. A padded position leaking into the
+    packed sums would move whole gradients, far beyond that."""
     from ls_fairseq.fairseq_ext.packing import pack_batch
 
     d, model = _small_model(dtype)
@@ -145,20 +149,28 @@ def test_packed_model_matches_the_padded_model_on_the_gpu(dtype):
     target = tgt.reshape(-1).index_select(0, rows).cuda()
     src, lengths, prev, rows = src.cuda(), lengths.cuda(), prev.cuda(), rows.cuda()
 
-    def run(**kw):
-        model.zero_grad()
-        logits, _ = model(src, lengths, prev, logit_rows=rows, **kw)
+    def run(m, **kw):
+        m.zero_grad()
+        logits, _ = m(src, lengths, prev, logit_rows=rows, **kw)
         F.cross_entropy(logits.float(), target, ignore_index=d.pad(), reduction="sum").backward()
-        return logits.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        return logits.detach().float(), {n: p.grad.float().clone() for n, p in m.named_parameters()}
 
-    ref, ref_grads = run()
-    out, grads = run(packed=packed)
+    ref, ref_grads = run(model)
+    out, grads = run(model, packed=packed)
     keep = target.ne(d.pad())
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(out[keep], ref[keep], **tol)
-    for n, g in ref_grads.items():
-        scale = g.abs().max().clamp_min(1e-6)
-        torch.testing.assert_close(grads[n] / scale, g / scale, **tol, msg=lambda m: f"{n}: {m}")
+    if dtype == torch.float32:
+        for n, g in ref_grads.items():
+            scale = g.abs().max().clamp_min(1e-6)
+            torch.testing.assert_close(grads[n] / scale, g / scale, **tol, msg=lambda m: f"{n}: {m}")
+        return
+    _, exact = run(_small_model(torch.float32)[1])  # the same weights in fp32
+    for n, g in exact.items():
+        norm = g.norm().clamp_min(1e-9)
+        padded_err = ((ref_grads[n] - g).norm() / norm).item()
+        packed_err = ((grads[n] - g).norm() / norm).item()
+        assert packed_err <= max(2 * padded_err, 0.02), f"{n}: packed {packed_err:.4f} vs padded {padded_err:.4f}"
 
 
 def test_packed_step_under_cuda_graph_capture():
