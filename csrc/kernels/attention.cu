@@ -1,4 +1,4 @@
-// Attention over short padded sequences (both lengths <= kShortAttentionMax), forward and backward.
+// Attention over short sequences, padded or packed (lengths <= kShortAttentionMax), forward and backward.
 //
 //   out = dropout(softmax(q k^T / sqrt(D) + masks)) v      q [B, H, Tq, D], k, v [B, H, Tk, D]
 //
@@ -18,6 +18,8 @@
 // backward, which recomputes the probabilities from q, k and it. dS is rounded to the storage type for its two
 // products. A query row whose keys are all masked gets probabilities 0 (output 0, gradients 0).
 // Masks: attend [B, Tk] (nonzero = attend; nullable) and causal (query i sees keys j <= i + Tk - Tq).
+// Packed sequences (cu_q / cu_k offsets, launch.h): sequence b's own lengths and rows, the same masks within it;
+// a CTA sized for the longest sequence computes only the 16-row blocks its sequence fills.
 // Dropout: keep bits drawn with Philox (common.cuh) in groups of 8 keys of one query row and stored as a bitmask,
 // one byte per group: byte ((b * H + h) * Tq + i) * mask_row + j / 8, bit j % 8 (mask_row = ceil(Tk / 8)); the
 // backward reads them (no RNG state crosses from the forward's CUDA graph to the backward's).
@@ -178,10 +180,33 @@ struct Smem {
   }
 };
 
+// One CTA's sequence: batch entry b, head h, its lengths and the first rows of its queries and keys (0 when
+// padded; packed: cu_q[b], cu_k[b], with the lengths cut to the longest the launch was sized for).
+struct Seq {
+  int b, h, tq, tk;
+  int64_t q0, k0;
+  __device__ Seq(const ShortAttentionArgs& a, int bh) {
+    b = bh / a.H;
+    h = bh - b * a.H;
+    if (a.cu_q != nullptr) {
+      q0 = a.cu_q[b];
+      k0 = a.cu_k[b];
+      tq = min(max(a.cu_q[b + 1] - a.cu_q[b], 0), a.Tq);
+      tk = min(max(a.cu_k[b + 1] - a.cu_k[b], 0), a.Tk);
+    } else {
+      q0 = k0 = 0;
+      tq = a.Tq;
+      tk = a.Tk;
+    }
+  }
+  // the first element of this sequence's head in a tensor of (batch, head, row) strides s (packed: batch stride 0)
+  __device__ int64_t at(const int64_t (&s)[3], int64_t row0) const { return b * s[0] + h * s[1] + row0 * s[2]; }
+};
+
 // att[j] = 1 where key j exists and is not padding (the padding is the same for every query row)
-__device__ __forceinline__ void load_keys(uint8_t* att, const ShortAttentionArgs& a, int b, int TK) {
+__device__ __forceinline__ void load_keys(uint8_t* att, const ShortAttentionArgs& a, const Seq& sq, int TK) {
   for (int j = threadIdx.x; j < TK; j += blockDim.x)
-    att[j] = j < a.Tk && (a.attend == nullptr || a.attend[(int64_t)b * a.Tk + j] != 0);
+    att[j] = j < sq.tk && (a.attend == nullptr || a.attend[(int64_t)sq.b * a.Tk + j] != 0);
 }
 
 }  // namespace
@@ -198,16 +223,20 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
   T* sk = reinterpret_cast<T*>(smem + L.k);
   T* sv = reinterpret_cast<T*>(smem + L.v);
   uint8_t* att = smem + L.att;
-  const int bh = blockIdx.x, b = bh / a.H, h = bh - b * a.H, Tq = a.Tq, Tk = a.Tk, mask_row = (Tk + 7) / 8;
+  // lse, keep bits: stored as [B, H, a.Tq] rows (of mask_row bytes), whatever this sequence's lengths
+  const int bh = blockIdx.x, mask_row = (a.Tk + 7) / 8;
+  const Seq seq(a, bh);
+  const int Tq = seq.tq, Tk = seq.tk, TQc = round16(Tq), TKc = round16(Tk);
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, r0 = (threadIdx.x >> 5) * 16;
-  load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + b * a.q_s[0] + h * a.q_s[1], a.q_s[2], Tq, L.TQ);
-  load_rows<T, D>(sk, LD, static_cast<const T*>(a.k) + b * a.k_s[0] + h * a.k_s[1], a.k_s[2], Tk, L.TK);
-  load_rows<T, D>(sv, LD, static_cast<const T*>(a.v) + b * a.v_s[0] + h * a.v_s[1], a.v_s[2], Tk, L.TK);
-  load_keys(att, a, b, L.TK);
+  load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + seq.at(a.q_s, seq.q0), a.q_s[2], Tq, TQc);
+  load_rows<T, D>(sk, LD, static_cast<const T*>(a.k) + seq.at(a.k_s, seq.k0), a.k_s[2], Tk, TKc);
+  load_rows<T, D>(sv, LD, static_cast<const T*>(a.v) + seq.at(a.v_s, seq.k0), a.v_s[2], Tk, TKc);
+  load_keys(att, a, seq, TKc);
   uint64_t seed = 0, offset = 0;
   if (a.p > 0.f) philox_unpack(rng, seed, offset);
   cp_async_wait_all();
   __syncthreads();
+  if (r0 >= TQc) return;  // a packed sequence shorter than the longest: this warp has no rows (no barrier follows)
 
   // S = q k^T for this warp's 16 rows: s[j] is the n-tile of keys [8j, 8j + 8)
   float s[NT][4];
@@ -219,7 +248,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
     load_a(qa, sq, LD, r0, kk);
 #pragma unroll
     for (int jp = 0; jp < NT / 2; ++jp) {
-      if (16 * jp < L.TK) {
+      if (16 * jp < TKc) {
         uint32_t kb[4];
         load_b_nk(kb, sk, LD, 16 * jp, kk);
         mma16816<T>(s[2 * jp], qa, kb[0], kb[1]);
@@ -237,7 +266,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = row[e >> 1], col = 8 * j + 2 * t4 + (e & 1);
-      const bool ok = 8 * j < L.TK && i < Tq && att[col] && (!a.causal || col <= i + Tk - Tq);
+      const bool ok = 8 * j < TKc && i < Tq && att[col] && (!a.causal || col <= i + Tk - Tq);
       s[j][e] = ok ? s[j][e] * scale : -INFINITY;
       mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
     }
@@ -264,7 +293,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
     sum[u] += __shfl_xor_sync(0xffffffffu, sum[u], 2);
     inv[u] = sum[u] > 0.f ? 1.f / sum[u] : 0.f;
     if (t4 == 0 && row[u] < Tq && a.lse != nullptr)
-      a.lse[(int64_t)bh * Tq + row[u]] = sum[u] > 0.f ? mx[u] + log2f(sum[u]) : INFINITY;
+      a.lse[(int64_t)bh * a.Tq + row[u]] = sum[u] > 0.f ? mx[u] + log2f(sum[u]) : INFINITY;
   }
   // dropout: lane t4 of a quad draws the key groups j = t4, t4 + 4, ... of its two rows; the quad shares them
   uint32_t bits[2][(NT + 3) / 4];
@@ -276,7 +305,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (row[u] < Tq) {
-          const int64_t grp = ((int64_t)bh * Tq + row[u]) * mask_row + j;
+          const int64_t grp = ((int64_t)bh * a.Tq + row[u]) * mask_row + j;
           bits[u][jj] = dropout_bits((uint64_t)grp, seed, offset, threshold);
           a.mask[grp] = static_cast<uint8_t>(bits[u][jj]);
         }
@@ -306,7 +335,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
   for (int e = 0; e < D / 8; ++e) o[e][0] = o[e][1] = o[e][2] = o[e][3] = 0.f;
 #pragma unroll
   for (int kt = 0; kt < NT / 2; ++kt) {
-    if (16 * kt < L.TK) {
+    if (16 * kt < TKc) {
       const uint32_t pa[4] = {pack2<T>(s[2 * kt][0], s[2 * kt][1]), pack2<T>(s[2 * kt][2], s[2 * kt][3]),
                               pack2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
                               pack2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
@@ -320,7 +349,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
     }
   }
   // this warp's q rows are its own: they stage the output
-  warp_store_rows<T, D>(static_cast<T*>(a.out) + b * a.o_s[0] + h * a.o_s[1], a.o_s[2], Tq, sq, LD, r0, o);
+  warp_store_rows<T, D>(static_cast<T*>(a.out) + seq.at(a.o_s, seq.q0), a.o_s[2], Tq, sq, LD, r0, o);
 }
 
 // ================================================================ backward
@@ -338,22 +367,24 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
   float* slse = reinterpret_cast<float*>(smem + L.lse);
   uint8_t* skeep = smem + L.keep;
   uint8_t* att = smem + L.att;
-  const int bh = blockIdx.x, b = bh / a.H, h = bh - b * a.H, Tq = a.Tq, Tk = a.Tk, mask_row = (Tk + 7) / 8;
+  const int bh = blockIdx.x, mask_row = (a.Tk + 7) / 8;
+  const Seq seq(a, bh);
+  const int Tq = seq.tq, Tk = seq.tk, TQc = round16(Tq), TKc = round16(Tk);
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + b * a.q_s[0] + h * a.q_s[1], a.q_s[2], Tq, L.TQ);
-  load_rows<T, D>(sk, LD, static_cast<const T*>(a.k) + b * a.k_s[0] + h * a.k_s[1], a.k_s[2], Tk, L.TK);
-  load_rows<T, D>(sv, LD, static_cast<const T*>(a.v) + b * a.v_s[0] + h * a.v_s[1], a.v_s[2], Tk, L.TK);
-  load_rows<T, D>(sdo, LD, static_cast<const T*>(a.dout) + b * a.do_s[0] + h * a.do_s[1], a.do_s[2], Tq, L.TQ);
-  load_rows<T, D>(sds, LD, static_cast<const T*>(a.out) + b * a.o_s[0] + h * a.o_s[1], a.o_s[2], Tq, L.TQ);
-  for (int i = threadIdx.x; i < L.TQ; i += blockDim.x) slse[i] = i < Tq ? a.lse[(int64_t)bh * Tq + i] : INFINITY;
+  load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + seq.at(a.q_s, seq.q0), a.q_s[2], Tq, TQc);
+  load_rows<T, D>(sk, LD, static_cast<const T*>(a.k) + seq.at(a.k_s, seq.k0), a.k_s[2], Tk, TKc);
+  load_rows<T, D>(sv, LD, static_cast<const T*>(a.v) + seq.at(a.v_s, seq.k0), a.v_s[2], Tk, TKc);
+  load_rows<T, D>(sdo, LD, static_cast<const T*>(a.dout) + seq.at(a.do_s, seq.q0), a.do_s[2], Tq, TQc);
+  load_rows<T, D>(sds, LD, static_cast<const T*>(a.out) + seq.at(a.o_s, seq.q0), a.o_s[2], Tq, TQc);
+  for (int i = threadIdx.x; i < TQc; i += blockDim.x) slse[i] = i < Tq ? a.lse[(int64_t)bh * a.Tq + i] : INFINITY;
   if (a.p > 0.f) {
-    const uint8_t* keep = a.mask + (int64_t)bh * Tq * mask_row;
+    const uint8_t* keep = a.mask + (int64_t)bh * a.Tq * mask_row;
     for (int e = threadIdx.x; e < Tq * mask_row; e += blockDim.x) skeep[e] = keep[e];
   }
-  load_keys(att, a, b, L.TK);
+  load_keys(att, a, seq, TKc);
   cp_async_wait_all();
   __syncthreads();
-  for (int i = warp; i < L.TQ; i += warps) {  // delta_i = sum_d dout * out (the softmax backward's)
+  for (int i = warp; i < TQc; i += warps) {  // delta_i = sum_d dout * out (the softmax backward's)
     float acc = 0.f;
     for (int d = lane; d < D; d += 32) acc += to_f(sdo[i * LD + d]) * to_f(sds[i * LD + d]);
     acc = warp_sum(acc);
@@ -363,14 +394,14 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
 
   const float scale = a.scale * kLog2e, keep_scale = 1.f / (1.f - a.p);
   // keys [k0, k0 + 16) per warp: dv = P^T dout, dk = dS^T q over all queries, dS^T left in shared memory
-  for (int k0 = 16 * warp; k0 < L.TK; k0 += 16 * warps) {
+  for (int k0 = 16 * warp; k0 < TKc; k0 += 16 * warps) {
     float dv[D / 8][4], dk[D / 8][4];
 #pragma unroll
     for (int e = 0; e < D / 8; ++e)
 #pragma unroll
       for (int z = 0; z < 4; ++z) dv[e][z] = dk[e][z] = 0.f;
     const int key[2] = {k0 + g, k0 + g + 8};
-    for (int q0 = 0; q0 < L.TQ; q0 += 16) {
+    for (int q0 = 0; q0 < TQc; q0 += 16) {
       float st[2][4] = {}, dpt[2][4] = {};  // S^T and dP^T (of the dropped P) of these keys x queries [q0, q0 + 16)
 #pragma unroll
       for (int kk = 0; kk < D; kk += 16) {
@@ -420,16 +451,16 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
       }
     }
     // this warp's v rows are its own from here: they stage dv, then dk
-    warp_store_rows<T, D>(static_cast<T*>(a.dv) + b * a.dv_s[0] + h * a.dv_s[1], a.dv_s[2], Tk, sv, LD, k0, dv);
-    warp_store_rows<T, D>(static_cast<T*>(a.dk) + b * a.dk_s[0] + h * a.dk_s[1], a.dk_s[2], Tk, sv, LD, k0, dk);
+    warp_store_rows<T, D>(static_cast<T*>(a.dv) + seq.at(a.dv_s, seq.k0), a.dv_s[2], Tk, sv, LD, k0, dv);
+    warp_store_rows<T, D>(static_cast<T*>(a.dk) + seq.at(a.dk_s, seq.k0), a.dk_s[2], Tk, sv, LD, k0, dk);
   }
   __syncthreads();
   // queries [q0, q0 + 16) per warp: dq = dS k
-  for (int q0 = 16 * warp; q0 < L.TQ; q0 += 16 * warps) {
+  for (int q0 = 16 * warp; q0 < TQc; q0 += 16 * warps) {
     float dq[D / 8][4];
 #pragma unroll
     for (int e = 0; e < D / 8; ++e) dq[e][0] = dq[e][1] = dq[e][2] = dq[e][3] = 0.f;
-    for (int k0 = 0; k0 < L.TK; k0 += 16) {
+    for (int k0 = 0; k0 < TKc; k0 += 16) {
       uint32_t dsa[4];
       load_a_t(dsa, sds, L.LDQ, q0, k0);
 #pragma unroll
@@ -441,7 +472,7 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
       }
     }
     // q is not read any more: its rows stage dq
-    warp_store_rows<T, D>(static_cast<T*>(a.dq) + b * a.dq_s[0] + h * a.dq_s[1], a.dq_s[2], Tq, sq, LD, q0, dq);
+    warp_store_rows<T, D>(static_cast<T*>(a.dq) + seq.at(a.dq_s, seq.q0), a.dq_s[2], Tq, sq, LD, q0, dq);
   }
 }
 

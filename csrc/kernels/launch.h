@@ -136,7 +136,8 @@ void grad_norm_ranges(DType dt, const void* grad, const int64_t* bounds, int cou
                       cudaStream_t stream);
 
 // ================================================================ attention.cu
-// Attention over short padded sequences, one CTA per (batch, head) (attention.cu describes the numerics).
+// Attention over short sequences, padded or packed, one CTA per (sequence, head) (attention.cu describes the
+// numerics).
 constexpr int kShortAttentionMax = 128;  // the longest query and key length the kernels take
 struct ShortAttentionArgs {
   DType dt = DType::F16;  // F16 or BF16
@@ -156,6 +157,11 @@ struct ShortAttentionArgs {
   float scale = 1.f;                // of the scores (1 / sqrt(D))
   float* lse = nullptr;             // [B, H, Tq] fp32: written by the forward (nullable there), read by the backward
   uint8_t* mask = nullptr;          // keep bits [B, H, Tq, ceil(Tk / 8)] bytes when p > 0
+  // Packed sequences (nullable; then attend is null and the batch strides 0): sequence b holds rows
+  // [cu_q[b], cu_q[b + 1]) of q, out, dout, dq and [cu_k[b], cu_k[b + 1]) of k, v, dk, dv, B + 1 int32 offsets each;
+  // Tq, Tk are the longest lengths (longer sequences are cut to them); lse and the keep bits keep their padded rows.
+  const int* cu_q = nullptr;
+  const int* cu_k = nullptr;
 };
 // Whether the kernels take these sizes on this device: D 32, 64 or 128, lengths 1 .. kShortAttentionMax, sm_80 or
 // newer (cp.async, bf16 tensor cores), and the shared memory of the backward's CTA within what a block may use.

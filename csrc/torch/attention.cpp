@@ -1,10 +1,13 @@
-// ATen adapter and autograd node: attention over short padded sequences (csrc/kernels/attention.cu).
+// ATen adapter and autograd node: attention over short sequences, padded or packed (csrc/kernels/attention.cu).
 //
 // short_attention_fits() says whether a call can take the kernel; where it cannot (fp32, a head dim other than
 // 32 / 64 / 128, a length over kShortAttentionMax, a layout whose rows are not 16-byte aligned, a GPU older than
-// sm_80 or with too little shared memory per block) the callers run PyTorch's SDPA instead. The output is stored token-major ([B, Tq, H, D] memory, returned as a [B, H, Tq, D]
-// view: merging the heads is then free), and so are the gradients of q, k and v (what the head split's backward
-// reads in place).
+// sm_80 or with too little shared memory per block) the callers run PyTorch's kernels instead. The output is
+// stored token-major ([B, Tq, H, D] memory, returned as a [B, H, Tq, D] view: merging the heads is then free), and
+// so are the gradients of q, k and v (what the head split's backward reads in place). Packed sequences (`Packed`:
+// int32 offsets on the device and the longest lengths, as flash attention's varlen call takes them) lie back to
+// back in q [1, H, Nq, D] and k, v [1, H, Nk, D]; the offsets must cover the rows (the kernel writes the rows of
+// the sequences only).
 #include <cmath>
 #include <cstdint>
 
@@ -37,13 +40,13 @@ Tensor token_major_like(const Tensor& t) {
 }
 
 ls::ShortAttentionArgs make_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
-                                 const OptTensor& attend, bool causal, double p) {
+                                 const OptTensor& attend, bool causal, double p, const Packed* pk) {
   ls::ShortAttentionArgs a;
   a.dt = to_dtype(op, q);
-  a.B = checked_int(op, "batch", q.size(0));
+  a.B = checked_int(op, "batch", pk != nullptr ? pk->cu_q.numel() - 1 : q.size(0));
   a.H = checked_int(op, "heads", q.size(1));
-  a.Tq = checked_int(op, "query length", q.size(2));
-  a.Tk = checked_int(op, "key length", k.size(2));
+  a.Tq = checked_int(op, "query length", pk != nullptr ? pk->max_q : q.size(2));
+  a.Tk = checked_int(op, "key length", pk != nullptr ? pk->max_k : k.size(2));
   a.D = checked_int(op, "head dim", q.size(3));
   bind(a.q, a.q_s, q);
   bind(a.k, a.k_s, k);
@@ -52,7 +55,21 @@ ls::ShortAttentionArgs make_args(const char* op, const Tensor& q, const Tensor& 
   a.causal = causal;
   a.p = static_cast<float>(p);
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(a.D)));
+  if (pk != nullptr) {
+    a.cu_q = pk->cu_q.data_ptr<int>();
+    a.cu_k = pk->cu_k.data_ptr<int>();
+  }
   return a;
+}
+
+// packed: every tensor's batch stride 0 (a sequence's rows start at its offset; after all tensors are bound)
+void unbatch(ls::ShortAttentionArgs& a) {
+  for (int64_t* s : {a.q_s, a.k_s, a.v_s, a.o_s, a.do_s, a.dq_s, a.dk_s, a.dv_s}) s[0] = 0;
+}
+
+bool cu_ok(const Tensor& cu, const Tensor& q) {
+  return cu.is_cuda() && cu.device() == q.device() && cu.scalar_type() == at::kInt && cu.dim() == 1 &&
+         cu.is_contiguous() && cu.numel() >= 2;
 }
 
 // [B, Tk] bool / uint8 (nonzero = attend) as contiguous uint8 on q's device
@@ -64,15 +81,33 @@ OptTensor attend_bytes(const OptTensor& attend) {
 
 }  // namespace
 
-bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend) {
+Packed packed_args(const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k) {
+  LS_CHECK(present(cu_q) == present(cu_k), "short_attention: packed sequences need both cu_q and cu_k");
+  if (!present(cu_q)) return Packed{};
+  LS_CHECK(max_q >= 1 && max_k >= 1, "short_attention: packed sequences need max_q, max_k >= 1, got ", max_q, ", ",
+           max_k);
+  return Packed{*cu_q, *cu_k, max_q, max_k};
+}
+
+bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                          const Packed* pk) {
   if (!q.is_cuda() || q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
   if (k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type()) return false;
   if (k.device() != q.device() || v.device() != q.device()) return false;
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2), D = q.size(3);
+  int64_t B = q.size(0), Tq = q.size(2), Tk = k.size(2);
+  const int64_t H = q.size(1), D = q.size(3);
   if (k.size(0) != B || v.size(0) != B || k.size(1) != H || v.size(1) != H || k.size(3) != D ||
       v.sizes() != k.sizes())
     return false;
+  if (pk != nullptr) {  // one row of sequences; offsets of as many sequences for q as for k
+    if (B != 1 || present(attend) || !cu_ok(pk->cu_q, q) || !cu_ok(pk->cu_k, q) ||
+        pk->cu_k.numel() != pk->cu_q.numel())
+      return false;
+    B = pk->cu_q.numel() - 1;
+    Tq = pk->max_q;
+    Tk = pk->max_k;
+  }
   if (B * H == 0 || B * H > 0x7fffffffLL) return false;
   if (present(attend) && (attend->dim() != 2 || attend->size(0) != B || attend->size(1) != Tk ||
                           attend->device() != q.device()))
@@ -83,20 +118,21 @@ bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, con
 
 // -> [out [B, H, Tq, D] (token-major storage), lse [B, H, Tq] fp32, keep bits (uint8, empty when p == 0)]
 std::vector<Tensor> short_attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
-                                        bool causal, double p) {
+                                        bool causal, double p, const Packed* pk) {
   const char* op = "short_attention_fwd";
   check_p(op, p);
-  LS_CHECK(short_attention_fits(q, k, v, attend), op, ": q ", q.sizes(), ", k ", k.sizes(), " (", q.scalar_type(),
-           ") do not fit the kernel (fp16/bf16, head dim 32/64/128, lengths <= ", ls::kShortAttentionMax,
-           ", 16-byte aligned rows)");
+  LS_CHECK(short_attention_fits(q, k, v, attend, pk), op, ": q ", q.sizes(), ", k ", k.sizes(), " (",
+           q.scalar_type(), ") do not fit the kernel (fp16/bf16, head dim 32/64/128, lengths <= ",
+           ls::kShortAttentionMax, ", 16-byte aligned rows; packed: one row of sequences, int32 offsets on the GPU)");
   c10::cuda::CUDAGuard guard(q.device());
   const OptTensor att = attend_bytes(attend);
-  ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p);
+  ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p, pk);
   Tensor out = token_major_like(q);
   Tensor lse = at::empty({a.B, a.H, a.Tq}, q.options().dtype(at::kFloat));
   const int64_t mask_row = (a.Tk + 7) / 8;
   Tensor mask = at::empty({p > 0.0 ? (int64_t)a.B * a.H * a.Tq * mask_row : 0}, q.options().dtype(at::kByte));
   bind(a.out, a.o_s, out);
+  if (pk != nullptr) unbatch(a);
   a.lse = lse.data_ptr<float>();
   a.mask = p > 0.0 ? mask.data_ptr<uint8_t>() : nullptr;
   const ls::PhiloxArgs rng = p > 0.0 ? philox_args() : ls::PhiloxArgs{};
@@ -107,32 +143,34 @@ std::vector<Tensor> short_attention_fwd(const Tensor& q, const Tensor& k, const 
 // -> [dq, dk, dv] (token-major storage) from the forward's tensors
 std::vector<Tensor> short_attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                         const Tensor& out, const Tensor& lse, const Tensor& mask,
-                                        const OptTensor& attend, bool causal, double p) {
+                                        const OptTensor& attend, bool causal, double p, const Packed* pk) {
   const char* op = "short_attention_bwd";
   check_p(op, p);
-  LS_CHECK(short_attention_fits(q, k, v, attend), op, ": inputs do not fit the kernel");
+  LS_CHECK(short_attention_fits(q, k, v, attend, pk), op, ": inputs do not fit the kernel");
+  const int64_t B = pk != nullptr ? pk->cu_q.numel() - 1 : q.size(0), Tq = pk != nullptr ? pk->max_q : q.size(2);
+  const int64_t Tk = pk != nullptr ? pk->max_k : k.size(2);
   LS_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() &&
                out.scalar_type() == q.scalar_type(),
            op, ": dout ", dout.sizes(), " / out ", out.sizes(), " must match q ", q.sizes(), " (", q.scalar_type(),
            ")");
-  LS_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == q.size(0) * q.size(1) * q.size(2),
-           op, ": lse must be the forward's fp32 [B, H, Tq]");
-  const int64_t mask_row = (k.size(2) + 7) / 8;
+  LS_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == B * q.size(1) * Tq, op,
+           ": lse must be the forward's fp32 [B, H, Tq]");
+  const int64_t mask_row = (Tk + 7) / 8;
   if (p > 0.0)
-    LS_CHECK(mask.scalar_type() == at::kByte && mask.is_contiguous() &&
-                 mask.numel() == q.size(0) * q.size(1) * q.size(2) * mask_row,
+    LS_CHECK(mask.scalar_type() == at::kByte && mask.is_contiguous() && mask.numel() == B * q.size(1) * Tq * mask_row,
              op, ": the forward's keep bits are missing or of another shape");
   c10::cuda::CUDAGuard guard(q.device());
   const OptTensor att = attend_bytes(attend);
   Tensor dO = rows_aligned(dout) ? dout : token_major_like(dout).copy_(dout);
   Tensor o = rows_aligned(out) ? out : token_major_like(out).copy_(out);
-  ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p);
+  ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p, pk);
   Tensor dq = token_major_like(q), dk = token_major_like(k), dv = token_major_like(v);
   bind(a.out, a.o_s, o);
   bind(a.dout, a.do_s, dO);
   bind(a.dq, a.dq_s, dq);
   bind(a.dk, a.dk_s, dk);
   bind(a.dv, a.dv_s, dv);
+  if (pk != nullptr) unbatch(a);
   a.lse = lse.data_ptr<float>();
   a.mask = p > 0.0 ? mask.data_ptr<uint8_t>() : nullptr;
   launch(op, [&] { ls::short_attention_bwd(a, stream()); });
@@ -145,34 +183,52 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // out = attention(q, k, v) as one node; keeps q, k, v, out, the log-sum-exp and the keep bits.
+// Packed: cu_q, cu_k defined (int32 offsets) with the longest lengths; padded: both undefined.
 struct ShortAttentionNode : public torch::autograd::Function<ShortAttentionNode> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const OptTensor& attend, bool causal, double p) {
-    auto r = short_attention_fwd(q, k, v, attend, causal, p);
+                        const OptTensor& attend, bool causal, double p, const Tensor& cu_q, const Tensor& cu_k,
+                        int64_t max_q, int64_t max_k) {
+    const Packed pk{cu_q, cu_k, max_q, max_k};
+    auto r = short_attention_fwd(q, k, v, attend, causal, p, cu_q.defined() ? &pk : nullptr);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({q, k, v, r[0], r[1], r[2]});
     ctx->saved_data["attend"] = present(attend) ? c10::IValue(*attend) : c10::IValue();
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["p"] = p;
+    ctx->saved_data["cu_q"] = cu_q.defined() ? c10::IValue(cu_q) : c10::IValue();
+    ctx->saved_data["cu_k"] = cu_k.defined() ? c10::IValue(cu_k) : c10::IValue();
+    ctx->saved_data["max_q"] = max_q;
+    ctx->saved_data["max_k"] = max_k;
     return r[0];
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    variable_list none(10);
+    if (!grads[0].defined()) return none;
     auto s = ctx->get_saved_variables();
     const auto& att = ctx->saved_data["attend"];
     const OptTensor attend = att.isNone() ? OptTensor() : OptTensor(att.toTensor());
+    const auto& cq = ctx->saved_data["cu_q"];
+    const Packed pk{cq.isNone() ? Tensor() : cq.toTensor(),
+                    cq.isNone() ? Tensor() : ctx->saved_data["cu_k"].toTensor(), ctx->saved_data["max_q"].toInt(),
+                    ctx->saved_data["max_k"].toInt()};
     auto d = short_attention_bwd(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], attend,
-                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["p"].toDouble());
-    return {d[0], d[1], d[2], Tensor(), Tensor(), Tensor()};
+                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["p"].toDouble(),
+                                 cq.isNone() ? nullptr : &pk);
+    none[0] = d[0];
+    none[1] = d[1];
+    none[2] = d[2];
+    return none;
   }
 };
 
 }  // namespace
 
 Tensor ag_short_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal,
-                          double p) {
-  return ShortAttentionNode::apply(q, k, v, attend, causal, p);
+                          double p, const Packed* pk) {
+  if (pk != nullptr)
+    return ShortAttentionNode::apply(q, k, v, attend, causal, p, pk->cu_q, pk->cu_k, pk->max_q, pk->max_k);
+  return ShortAttentionNode::apply(q, k, v, attend, causal, p, Tensor(), Tensor(), 0, 0);
 }
 
 }  // namespace ls_torch

@@ -97,17 +97,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "differentiable dropout(act(x W1^T + b1)) W2^T, both projections in FP8 as one node: [y, mask] (fp8.cpp)",
         py::arg("x"), py::arg("w1"), py::arg("b1") = none, py::arg("w2"), py::arg("activation"), py::arg("p"),
         py::arg("mode"), py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true);
-  m.def("short_attention_fits", guarded(&short_attention_fits),
+  // packed sequences when cu_q is given (with cu_k, max_q, max_k: ops.h)
+  m.def("short_attention_fits", guarded(+[](const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                                             const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q,
+                                             int64_t max_k) {
+          const Packed pk = packed_args(cu_q, cu_k, max_q, max_k);
+          return short_attention_fits(q, k, v, attend, present(cu_q) ? &pk : nullptr);
+        }),
         "whether attention over these tensors can take the short-sequence kernel (attention.cpp)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("attend") = none);
-  m.def("short_attention_fwd", guarded(&short_attention_fwd),
+        py::arg("k"), py::arg("v"), py::arg("attend") = none, py::arg("cu_q") = none, py::arg("cu_k") = none,
+        py::arg("max_q") = 0, py::arg("max_k") = 0);
+  m.def("short_attention_fwd", guarded(+[](const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                                            bool causal, double p, const OptTensor& cu_q, const OptTensor& cu_k,
+                                            int64_t max_q, int64_t max_k) {
+          const Packed pk = packed_args(cu_q, cu_k, max_q, max_k);
+          return short_attention_fwd(q, k, v, attend, causal, p, present(cu_q) ? &pk : nullptr);
+        }),
         "attention over short sequences: [out (token-major), lse, keep bits] (attention.cu)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0);
-  m.def("short_attention_bwd", guarded(&short_attention_bwd), "backward of short_attention_fwd: [dq, dk, dv]",
-        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("mask"),
-        py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0);
-  m.def("ag_short_attention", guarded(&ag_short_attention),
+        py::arg("k"), py::arg("v"), py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0,
+        py::arg("cu_q") = none, py::arg("cu_k") = none, py::arg("max_q") = 0, py::arg("max_k") = 0);
+  m.def("short_attention_bwd", guarded(+[](const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& out, const Tensor& lse, const Tensor& mask,
+                                            const OptTensor& attend, bool causal, double p, const OptTensor& cu_q,
+                                            const OptTensor& cu_k, int64_t max_q, int64_t max_k) {
+          const Packed pk = packed_args(cu_q, cu_k, max_q, max_k);
+          return short_attention_bwd(dout, q, k, v, out, lse, mask, attend, causal, p, present(cu_q) ? &pk : nullptr);
+        }),
+        "backward of short_attention_fwd: [dq, dk, dv]", py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("mask"), py::arg("attend") = none, py::arg("causal") = false,
+        py::arg("p") = 0.0, py::arg("cu_q") = none, py::arg("cu_k") = none, py::arg("max_q") = 0,
+        py::arg("max_k") = 0);
+  m.def("ag_short_attention", guarded(+[](const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                                           bool causal, double p, const OptTensor& cu_q, const OptTensor& cu_k,
+                                           int64_t max_q, int64_t max_k) {
+          const Packed pk = packed_args(cu_q, cu_k, max_q, max_k);
+          return ag_short_attention(q, k, v, attend, causal, p, present(cu_q) ? &pk : nullptr);
+        }),
         "differentiable attention over short sequences as one node (attention.cpp)", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0);
+        py::arg("v"), py::arg("attend") = none, py::arg("causal") = false, py::arg("p") = 0.0,
+        py::arg("cu_q") = none, py::arg("cu_k") = none, py::arg("max_q") = 0, py::arg("max_k") = 0);
   bind_grad_buckets(m);  // the overlapped all-reduce's gradient hooks and bucket folds (no CUDA)
 }

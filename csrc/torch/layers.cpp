@@ -16,7 +16,7 @@
 // Dropout probabilities are the effective ones (0 outside training); the decoder's encoder-attention has its own.
 // memory: the memory modes (ops.h: kInvertibleLayerNorm, kRecomputeActivation), as the Python layers apply them.
 // Packed sentences (cu_seqlens / cu_tgt, cu_src given): x is [1, tokens, C] with the sentences back to back, no
-// padding; attention runs over each sentence's rows (the Varlen struct below), everything else is row-wise.
+// padding; attention runs over each sentence's rows (Packed, ops.h), everything else is row-wise.
 #include <torch/extension.h>
 
 #include <ATen/Context.h>
@@ -82,16 +82,11 @@ Tensor attend_mask(const Tensor& key_padding_mask) {
   return key_padding_mask.to(at::kBool).bitwise_not().view({key_padding_mask.size(0), 1, 1, key_padding_mask.size(1)});
 }
 
-// Packed sequences (no padding, batch 1): sequence i is rows [cu_q[i], cu_q[i + 1]) of the queries and
-// [cu_k[i], cu_k[i + 1]) of the keys and values; max_q / max_k bound the sequences' lengths.
-struct Varlen {
-  Tensor cu_q, cu_k;
-  int64_t max_q, max_k;
-};
-
+// Packed sequences (no padding, batch 1; `Packed` of ops.h): sequence i is rows [cu_q[i], cu_q[i + 1]) of the
+// queries and [cu_k[i], cu_k[i + 1]) of the keys and values; max_q / max_k bound the sequences' lengths.
 // [Nq, Nk] (true = attend) of packed sequences: within each sequence, causal from its first row (the CPU's way;
 // ls_fairseq/ops/attention.py's reference builds the same)
-Tensor varlen_mask(const Varlen& vl, bool causal) {
+Tensor varlen_mask(const Packed& vl, bool causal) {
   auto seg_pos = [](const Tensor& cu) {
     const Tensor c = cu.to(at::kLong);
     const int64_t n = c.numel() - 1;
@@ -108,13 +103,17 @@ Tensor varlen_mask(const Varlen& vl, bool causal) {
 // With vl: packed sequences, q [1, H, Nq, D], k, v [1, H, Nk, D]; on CUDA a kernel over them (below; its layout
 // [1, N, H, D] is a view of ours, and so is its output's), on the CPU a block mask.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal, double p,
-                 int64_t short_len, const Varlen* vl = nullptr) {
+                 int64_t short_len, const Packed* vl = nullptr) {
   if (vl != nullptr) {
     if (!q.is_cuda()) return at::scaled_dot_product_attention(q, k, v, varlen_mask(*vl, causal), p);
-    // fp16 / bf16: the flash kernel, whose backward replays the forward's dropout mask (also under CUDA graphs);
+    // fp16 / bf16: the kernels of attention.cu or flash's, whose backwards replay the forward's dropout mask (also
+    // under CUDA graphs);
     // fp32: the memory-efficient kernel without dropout (over packed sequences its backward does not see the mask
     // its forward drew). As ls_fairseq/ops/attention.py's _varlen_cuda.
     if (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) {
+      // sequences up to kShortAttentionMax: the kernel of attention.cu over the packed rows; longer ones: flash
+      if (short_attention_fits(q, k, v, std::nullopt, vl))
+        return ag_short_attention(q, k, v, std::nullopt, causal, p, vl);
       auto r = at::_flash_attention_forward(q.transpose(1, 2).select(0, 0), k.transpose(1, 2).select(0, 0),
                                             v.transpose(1, 2).select(0, 0), vl->cu_q, vl->cu_k, vl->max_q, vl->max_k,
                                             p, causal, false);
@@ -181,7 +180,7 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
 }
 
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
-                            double eps, const LayerArgs& a, const Varlen* vl) {
+                            double eps, const LayerArgs& a, const Packed* vl) {
   auto [h, residual] = block_input(x, a, w[0], w[1], eps);
   const Fp8Args f = a.fp8.at(0);
   auto parts = f.mode > 0 && fp8_linear_shapes_ok(w[2])  // FP8: the projection's gradient quantised from the heads'
@@ -213,7 +212,7 @@ Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, cons
 }
 
 Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, const OptTensor& attend,
-                             const std::vector<Tensor>& w, double eps, const LayerArgs& a, const Varlen* vl) {
+                             const std::vector<Tensor>& w, double eps, const LayerArgs& a, const Packed* vl) {
   auto [h, residual] = block_input(x, a, w[12], w[13], eps);
   const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
   Tensor q = ag_linear_mode(h, w[14], w[15], a.fp8.at(4)).view({B, T, a.num_heads, C / a.num_heads}).transpose(1, 2);
@@ -288,10 +287,10 @@ Tensor encoder_layer_fwd(const Tensor& x, const OptTensor& key_padding_mask, con
   check_layer(op, x, weights, 12, eps, 2, num_heads, activation, p);
   const LayerArgs a = layer_args(num_heads, p, normalize_before, short_len, Fp8Args{fp8, fp8_state, fp8_slot}, memory);
   check_padding_mask(op, "key_padding_mask", key_padding_mask, x.size(0), x.size(1), x);
-  std::optional<Varlen> vl;
+  std::optional<Packed> vl;
   if (present(cu_seqlens)) {
     check_varlen(op, "cu_seqlens", *cu_seqlens, max_len, x, key_padding_mask);
-    vl = Varlen{*cu_seqlens, *cu_seqlens, max_len, max_len};
+    vl = Packed{*cu_seqlens, *cu_seqlens, max_len, max_len};
   }
   ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor attend = present(key_padding_mask) ? OptTensor(attend_mask(*key_padding_mask)) : std::nullopt;
@@ -319,15 +318,15 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
              t->sizes());
   check_padding_mask(op, "encoder_padding_mask", encoder_padding_mask, B, cross_k.size(2), x);
   check_padding_mask(op, "self_attn_padding_mask", self_attn_padding_mask, B, x.size(1), x);
-  std::optional<Varlen> self_vl, cross_vl;
+  std::optional<Packed> self_vl, cross_vl;
   LS_CHECK(present(cu_tgt) == present(cu_src), op, ": packed sentences need both cu_tgt and cu_src");
   if (present(cu_tgt)) {
     check_varlen(op, "cu_tgt", *cu_tgt, max_tgt, x, self_attn_padding_mask);
     check_varlen(op, "cu_src", *cu_src, max_src, x, encoder_padding_mask);
     LS_CHECK(cu_tgt->numel() == cu_src->numel(), op, ": cu_tgt and cu_src must count the same sentences, got ",
              cu_tgt->numel(), " and ", cu_src->numel(), " entries");
-    self_vl = Varlen{*cu_tgt, *cu_tgt, max_tgt, max_tgt};
-    cross_vl = Varlen{*cu_tgt, *cu_src, max_tgt, max_src};
+    self_vl = Packed{*cu_tgt, *cu_tgt, max_tgt, max_tgt};
+    cross_vl = Packed{*cu_tgt, *cu_src, max_tgt, max_src};
   }
   ReleaseGilIfHeld nogil;  // nothing below needs Python
   OptTensor self_attend =

@@ -66,19 +66,28 @@ std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, 
 std::vector<Tensor> ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 
-// attention.cpp: attention over short padded sequences (csrc/kernels/attention.cu). q [B, H, Tq, D], k, v
-// [B, H, Tk, D] (any strides with the head dim contiguous), attend [B, Tk] bool / uint8 (nonzero = attend) or
-// absent; causal: query i sees keys j <= i + Tk - Tq. short_attention_fits: whether the kernel takes these tensors
-// (CUDA fp16 / bf16, D 32 / 64 / 128, 1 <= Tq, Tk <= 128, 16-byte aligned rows, sm_80+ with the shared memory it
-// needs); the callers run SDPA otherwise.
-bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend);
+// attention.cpp: attention over short sequences (csrc/kernels/attention.cu). q [B, H, Tq, D], k, v [B, H, Tk, D]
+// (any strides with the head dim contiguous), attend [B, Tk] bool / uint8 (nonzero = attend) or absent; causal:
+// query i sees keys j <= i + Tk - Tq. Packed (pk): q [1, H, Nq, D], k, v [1, H, Nk, D] hold the sequences back to
+// back, sequence b in rows [cu_q[b], cu_q[b + 1]) and [cu_k[b], cu_k[b + 1]) (int32 on the GPU, covering the rows),
+// max_q / max_k its longest lengths, no attend; causal within each sequence as above. short_attention_fits: whether
+// the kernel takes these tensors (CUDA fp16 / bf16, D 32 / 64 / 128, 1 <= Tq, Tk <= 128, 16-byte aligned rows,
+// sm_80+ with the shared memory it needs); the callers run SDPA / flash otherwise.
+struct Packed {
+  Tensor cu_q, cu_k;
+  int64_t max_q = 0, max_k = 0;
+};
+// the Python bindings' packed arguments (cu_q and cu_k both given or both absent)
+Packed packed_args(const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k);
+bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                          const Packed* pk = nullptr);
 std::vector<Tensor> short_attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
-                                        bool causal, double p);
+                                        bool causal, double p, const Packed* pk = nullptr);
 std::vector<Tensor> short_attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                         const Tensor& out, const Tensor& lse, const Tensor& mask,
-                                        const OptTensor& attend, bool causal, double p);
+                                        const OptTensor& attend, bool causal, double p, const Packed* pk = nullptr);
 Tensor ag_short_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal,
-                          double p);
+                          double p, const Packed* pk = nullptr);
 
 // Whole layers over those nodes (layers.cpp): the forward of ls_fairseq/modules' encoder and decoder layers in
 // one call, recording the same nodes as the Python layers; weights and eps in the order layers.cpp lists.

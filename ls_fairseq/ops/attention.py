@@ -4,7 +4,7 @@ qkv_split: [B, T, 3C] (+ bias [3C]) -> q, k, v each [B, H, T, C/H]
 kv_split:  [B, S, 2C] slice (+ bias [2C]) -> k, v each [B, H, S, C/H]
 merge_heads: [B, H, T, D] -> [B, T, H*D]
 attention: softmax(q k^T / sqrt(D) + masks) v: on CUDA in fp16 / bf16 with both lengths <= 128 through the
-           kernel of csrc/kernels/attention.cu, otherwise through scaled_dot_product_attention;
+           kernel of csrc/kernels/attention.cu (padded or packed), otherwise through PyTorch's kernels;
            key_padding_mask [B, S] bool (True = padding), optional causal mask; or, with ``varlen``,
            over packed sequences: q [1, H, Nq, D], k, v [1, H, Nk, D] hold sequences back to back
            (no padding), sequence i in rows [cu_q[i], cu_q[i + 1]) of q and [cu_k[i], cu_k[i + 1]) of k, v.
@@ -146,11 +146,18 @@ def _check_varlen(q, k, key_padding_mask, varlen: Varlen):
 
 
 def _varlen_cuda(q, k, v, varlen: Varlen, causal: bool, p: float):
-    """Packed sequences on CUDA ([1, N, H, D] is the kernels' layout, a view of ours). fp16 / bf16: the flash
-    kernel (sm80 and newer), whose backward replays the forward's dropout mask, also under CUDA graphs. fp32:
-    the memory-efficient kernel, without dropout: over packed sequences its backward does not see the mask
-    its forward drew (measured: the gradient of a dropout attention disagrees with its output)."""
+    """Packed sequences on CUDA ([1, N, H, D] is the kernels' layout, a view of ours). fp16 / bf16: the kernel
+    of csrc/kernels/attention.cu for sequences up to SHORT_KERNEL_LEN, else the flash kernel (sm80 and newer);
+    both backwards replay the forward's dropout mask, also under CUDA graphs. fp32: the memory-efficient kernel,
+    without dropout: over packed sequences its backward does not see the mask its forward drew (measured: the
+    gradient of a dropout attention disagrees with its output)."""
     if q.dtype in (torch.float16, torch.bfloat16):
+        mod = None
+        if max(varlen.max_q, varlen.max_k) <= SHORT_KERNEL_LEN and not torch.compiler.is_compiling():
+            mod = kernel_module("attention", q, k, v)
+        packed = dict(cu_q=varlen.cu_q, cu_k=varlen.cu_k, max_q=int(varlen.max_q), max_k=int(varlen.max_k))
+        if mod is not None and mod.short_attention_fits(q, k, v, None, **packed):
+            return mod.ag_short_attention(q, k, v, None, causal, p, **packed)
         out = torch.ops.aten._flash_attention_forward(
             q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0], varlen.cu_q, varlen.cu_k,
             int(varlen.max_q), int(varlen.max_k), float(p), bool(causal), False)[0]

@@ -110,9 +110,12 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
   return {};
 }
 // attention over short sequences: a CUDA kernel only; the layers take SDPA on the CPU
-bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend) { return false; }
+bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
+                          const Packed* pk) {
+  return false;
+}
 Tensor ag_short_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend, bool causal,
-                          double p) {
+                          double p, const Packed* pk) {
   LS_CHECK(false, "short attention: needs a CUDA GPU");
   return {};
 }

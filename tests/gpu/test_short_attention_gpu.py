@@ -214,3 +214,99 @@ def test_dropout_backward_matches_forward_under_graph_replay():
         assert abs(lhs - rhs) <= 2e-2 * max(1.0, abs(rhs)), (lhs, rhs)
         seen.append(out.clone())
     assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+
+
+# ---------------------------------------------------------------- packed sequences
+# (query lengths, key lengths, head dim); zero-length sequences stand for the empty sentences of a packed bucket
+PACKED = [([37, 1, 64, 5, 120], [37, 1, 64, 5, 120], 64), ([17, 0, 128, 9], [17, 0, 128, 9], 32),
+          ([3, 40, 16], [20, 7, 33], 128), ([1], [1], 64), ([70, 0], [90, 13], 64)]
+
+
+def _packed_inputs(lq, lk, H, D, dtype, seed):
+    """Packed [1, H, N, D] q, k, v, dout (token-major storage, as the layers make them) and the offsets."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    def make(n):
+        return torch.randn(1, n, H, D, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    cu = [torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device="cuda") for x in (lq, lk)]
+    return make(sum(lq)), make(sum(lk)), make(sum(lk)), make(sum(lq)), cu[0], cu[1]
+
+
+def _pad(x, lengths, T):
+    """Packed [1, H, N, D] rows -> padded [B, H, T, D] (zeros beyond each length)."""
+    out = x.new_zeros(len(lengths), x.shape[1], T, x.shape[3])
+    o = 0
+    for b, n in enumerate(lengths):
+        out[b, :, :n] = x[0, :, o:o + n]
+        o += n
+    return out
+
+
+def _unpad(x, lengths):
+    return torch.cat([x[b:b + 1, :, :n] for b, n in enumerate(lengths)], dim=2)
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("case", PACKED, ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_packed_equals_the_padded_kernel(dtype, case, p):
+    """Over packed sequences the kernel computes, row for row and bit for bit, what it computes over the same
+    sequences padded to the longest with their keys masked (the same keep bits with the same seed): the padded
+    kernel is the one checked against float64 above. Causal where the lengths are equal (self-attention)."""
+    mod = _mod()
+    lq, lk, D = case
+    H, Tq, Tk = 3, max(lq), max(lk)
+    causal = lq == lk
+    q, k, v, dout, cu_q, cu_k = _packed_inputs(lq, lk, H, D, dtype, seed=len(lq) + D)
+    packed = dict(cu_q=cu_q, cu_k=cu_k, max_q=Tq, max_k=Tk)
+    assert mod.short_attention_fits(q, k, v, None, **packed)
+    torch.manual_seed(3)
+    out, lse, mask = mod.short_attention_fwd(q, k, v, None, causal, p, **packed)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()
+    dq, dk, dv = mod.short_attention_bwd(dout, q, k, v, out, lse, mask, None, causal, p, **packed)
+    attend = torch.arange(Tk, device="cuda")[None, :] < torch.tensor(lk, device="cuda")[:, None]
+    pq, pk, pv, pdo = _pad(q, lq, Tq), _pad(k, lk, Tk), _pad(v, lk, Tk), _pad(dout, lq, Tq)
+    torch.manual_seed(3)
+    ref_out, ref_lse, ref_mask = mod.short_attention_fwd(pq, pk, pv, attend, causal, p)
+    ref = mod.short_attention_bwd(pdo, pq, pk, pv, ref_out, ref_lse, ref_mask, attend, causal, p)
+    assert torch.equal(out, _unpad(ref_out, lq))
+    for name, got, want, lengths in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, (lq, lk, lk)):
+        assert torch.equal(got, _unpad(want, lengths)), name
+    if p > 0:  # the padded rows of the keep bits are the same draws
+        keep, ref_keep = unpack_keep(mask, len(lq), H, Tq, Tk), unpack_keep(ref_mask, len(lq), H, Tq, Tk)
+        for b, n in enumerate(lq):
+            assert torch.equal(keep[b, :, :n, :lk[b]], ref_keep[b, :, :n, :lk[b]])
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_packed_through_the_public_op_and_autograd(dtype):
+    """ops.attention with varlen takes the kernel for packed sequences up to 128 tokens (flash beyond) and the
+    result, with its gradients, matches attention per sequence in float64."""
+    from ls_fairseq.ops.attention import Varlen
+
+    lq = [37, 1, 64, 5, 120]
+    H, D = 4, 64
+    q, k, v, dout, cu, _ = _packed_inputs(lq, lq, H, D, dtype, seed=11)
+    ins = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = attention(*ins, causal=True, varlen=Varlen(cu, cu, max(lq), max(lq)))
+    assert merge_heads(out).data_ptr() == out.data_ptr()  # token-major: the kernel's output
+    grads = torch.autograd.grad(out, ins, dout)
+    o = 0
+    for n in lq:
+        sl = slice(o, o + n)
+        o += n
+        part = [t[:, :, sl] for t in (q, k, v)]
+        _assert_matches_reference(out[:, :, sl], [g[:, :, sl] for g in grads], *part, dout[:, :, sl], None, True,
+                                  None, 0.0, f" len={n}")
+
+
+def test_packed_fits_refuses_what_the_kernel_cannot_take():
+    mod = _mod()
+    q, k, v, _, cu, _ = _packed_inputs([5, 9], [5, 9], 2, 64, torch.bfloat16, seed=1)
+    assert mod.short_attention_fits(q, k, v, None, cu_q=cu, cu_k=cu, max_q=9, max_k=9)
+    assert not mod.short_attention_fits(q, k, v, None, cu_q=cu, cu_k=cu, max_q=129, max_k=9)  # too long
+    assert not mod.short_attention_fits(q, k, v, None, cu_q=cu.long(), cu_k=cu.long(), max_q=9, max_k=9)
+    assert not mod.short_attention_fits(q, k, v, None, cu_q=cu, cu_k=cu[:2], max_q=9, max_k=9)
+    assert not mod.short_attention_fits(q, k, v, torch.ones(1, 14, dtype=torch.bool, device="cuda"), cu_q=cu,
+                                        cu_k=cu, max_q=9, max_k=9)
+    with pytest.raises(RuntimeError, match="both cu_q and cu_k"):
+        mod.short_attention_fits(q, k, v, None, cu_q=cu)
