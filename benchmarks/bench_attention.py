@@ -14,6 +14,11 @@ replayed, as the training step runs it; median of 3 x 10 replays):
           floor of a scores-materialising implementation.
 
     python benchmarks/bench_attention.py [--tokens 8192] [--lengths 16,32,64,128,256]
+
+With --packed MAX (a comma list of longest lengths) it times packed sequences instead (batches of
+sentences back to back, as the packed model runs them; causal, dropout 0.1): for each length T, sentences
+all of T tokens through ops.attention with the kernels sized for T and for each longer MAX (a packed
+shape bucket sizes them for its longest sentence), and through flash's varlen kernel.
 """
 
 import argparse
@@ -61,6 +66,38 @@ def timed_or_nan(fn):
         return float("nan")
 
 
+def packed(args):
+    """Packed sequences (module docstring, --packed)."""
+    import torch
+
+    from ls_fairseq import ops
+    from ls_fairseq.ops.attention import Varlen
+
+    H, D, p = args.heads, args.head_dim, args.p
+    maxes = [int(m) for m in args.packed.split(",")]
+    print(f"{'T':>4} {'seqs':>5} " + " ".join(f"{'max=' + str(m):>8}" for m in ["T"] + maxes) + f" {'flash':>8}")
+    for T in (int(t) for t in args.lengths.split(",")):
+        n = max(1, args.tokens // T)
+        cu = torch.arange(0, (n + 1) * T, T, device="cuda", dtype=torch.int32)
+        q, k, v = (torch.randn(1, n * T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                   .requires_grad_(True) for _ in range(3))
+        g = torch.randn_like(q)
+
+        def run_ls(m):
+            def run():
+                out = ops.attention(q, k, v, causal=True, p=p, varlen=Varlen(cu, cu, m, m))
+                torch.autograd.grad(out, (q, k, v), g)
+            return run
+
+        def run_flash():
+            out = torch.ops.aten._flash_attention_forward(q.transpose(1, 2)[0], k.transpose(1, 2)[0],
+                                                          v.transpose(1, 2)[0], cu, cu, T, T, p, True, False)[0]
+            torch.autograd.grad(out, (q, k, v), g.transpose(1, 2)[0])
+
+        row = [timed(run_ls(m)) if m >= T else float("nan") for m in [T] + maxes] + [timed(run_flash)]
+        print(f"{T:4d} {n:5d} " + " ".join(f"{x:8.3f}" for x in row), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -68,7 +105,10 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--packed", default=None, help="longest lengths the packed kernels are sized for (a list)")
     args = ap.parse_args()
+    if args.packed:
+        return packed(args)
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
