@@ -19,7 +19,8 @@
 // products. A query row whose keys are all masked gets probabilities 0 (output 0, gradients 0).
 // Masks: attend [B, Tk] (nonzero = attend; nullable) and causal (query i sees keys j <= i + Tk - Tq).
 // Packed sequences (cu_q / cu_k offsets, launch.h): sequence b's own lengths and rows, the same masks within it;
-// a CTA sized for the longest sequence computes only the 16-row blocks its sequence fills.
+// one launch per class of lengths ((0, 32], (32, 64], (64, 128]), its CTAs sized for the class, each computing
+// only the 16-row blocks its sequence fills (the other classes' CTAs return at once).
 // Dropout: keep bits drawn with Philox (common.cuh) in groups of 8 keys of one query row and stored as a bitmask,
 // one byte per group: byte ((b * H + h) * Tq + i) * mask_row + j / 8, bit j % 8 (mask_row = ceil(Tk / 8)); the
 // backward reads them (no RNG state crosses from the forward's CUDA graph to the backward's).
@@ -37,6 +38,11 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
+
+// the longest query / key length a launch's CTAs are sized for: the tensors' (Tq, Tk), or for a launch over one
+// class of packed sequences (lo, hi], at most hi
+__host__ __device__ inline int cap_q(const ShortAttentionArgs& a) { return a.hi > 0 && a.hi < a.Tq ? a.hi : a.Tq; }
+__host__ __device__ inline int cap_k(const ShortAttentionArgs& a) { return a.hi > 0 && a.hi < a.Tk ? a.hi : a.Tk; }
 
 // ---------------------------------------------------------------- tensor-core fragments (sm_80+)
 // mma.sync m16n8k16 with a row-major A (16 x 16: a[0] rows g, a[1] rows g + 8, a[2] / a[3] the same at k + 8) and
@@ -154,6 +160,7 @@ template <typename T, int D>
 struct Smem {
   static constexpr int LD = D + 8;  // rows of q, k, v, dout (T): 16-byte aligned, ldmatrix without bank conflicts
   int TQ, TK, LDQ;                  // LDQ: rows of dS^T (T), TQ + 8
+  int KB;                           // bytes of a query row's keep bits in shared memory, ceil(Tk / 8)
   size_t q, k, v, dout, ds, delta, lse, keep, att, total;
   __host__ __device__ static size_t take(size_t& o, size_t bytes) {
     const size_t at = o;
@@ -164,6 +171,7 @@ struct Smem {
     TQ = round16(Tq);
     TK = round16(Tk);
     LDQ = TQ + 8;
+    KB = (Tk + 7) / 8;
     size_t o = 0;
     q = take(o, sizeof(T) * TQ * LD);
     k = take(o, sizeof(T) * TK * LD);
@@ -174,7 +182,7 @@ struct Smem {
     ds = backward ? take(o, sizeof(T) * ds_elems) : 0;
     delta = backward ? take(o, sizeof(float) * TQ) : 0;
     lse = backward ? take(o, sizeof(float) * TQ) : 0;
-    keep = backward ? take(o, (size_t)TQ * ((Tk + 7) / 8)) : 0;
+    keep = backward ? take(o, (size_t)TQ * KB) : 0;
     att = take(o, TK);
     total = o;
   }
@@ -199,6 +207,11 @@ struct Seq {
       tk = a.Tk;
     }
   }
+  // whether this launch takes the sequence: its longer length in the launch's class (lo, hi], or every sequence
+  __device__ bool in_launch(const ShortAttentionArgs& a) const {
+    const int m = tq > tk ? tq : tk;
+    return a.hi == 0 || (m > a.lo && m <= a.hi);
+  }
   // the first element of this sequence's head in a tensor of (batch, head, row) strides s (packed: batch stride 0)
   __device__ int64_t at(const int64_t (&s)[3], int64_t row0) const { return b * s[0] + h * s[1] + row0 * s[2]; }
 };
@@ -218,7 +231,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
                                                                    uint32_t threshold) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int LD = Smem<T, D>::LD, NT = KC / 8;
-  const Smem<T, D> L(a.Tq, a.Tk, false);
+  const Smem<T, D> L(cap_q(a), cap_k(a), false);
   T* sq = reinterpret_cast<T*>(smem + L.q);
   T* sk = reinterpret_cast<T*>(smem + L.k);
   T* sv = reinterpret_cast<T*>(smem + L.v);
@@ -226,6 +239,7 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
   // lse, keep bits: stored as [B, H, a.Tq] rows (of mask_row bytes), whatever this sequence's lengths
   const int bh = blockIdx.x, mask_row = (a.Tk + 7) / 8;
   const Seq seq(a, bh);
+  if (!seq.in_launch(a)) return;  // another launch's class of packed sequences (uniform over the CTA)
   const int Tq = seq.tq, Tk = seq.tk, TQc = round16(Tq), TKc = round16(Tk);
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, r0 = (threadIdx.x >> 5) * 16;
   load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + seq.at(a.q_s, seq.q0), a.q_s[2], Tq, TQc);
@@ -357,7 +371,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttentionArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int LD = Smem<T, D>::LD;
-  const Smem<T, D> L(a.Tq, a.Tk, true);
+  const Smem<T, D> L(cap_q(a), cap_k(a), true);
   T* sq = reinterpret_cast<T*>(smem + L.q);
   T* sk = reinterpret_cast<T*>(smem + L.k);
   T* sv = reinterpret_cast<T*>(smem + L.v);
@@ -369,6 +383,7 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
   uint8_t* att = smem + L.att;
   const int bh = blockIdx.x, mask_row = (a.Tk + 7) / 8;
   const Seq seq(a, bh);
+  if (!seq.in_launch(a)) return;  // another launch's class of packed sequences (uniform over the CTA)
   const int Tq = seq.tq, Tk = seq.tk, TQc = round16(Tq), TKc = round16(Tk);
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   load_rows<T, D>(sq, LD, static_cast<const T*>(a.q) + seq.at(a.q_s, seq.q0), a.q_s[2], Tq, TQc);
@@ -379,7 +394,10 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
   for (int i = threadIdx.x; i < TQc; i += blockDim.x) slse[i] = i < Tq ? a.lse[(int64_t)bh * a.Tq + i] : INFINITY;
   if (a.p > 0.f) {
     const uint8_t* keep = a.mask + (int64_t)bh * a.Tq * mask_row;
-    for (int e = threadIdx.x; e < Tq * mask_row; e += blockDim.x) skeep[e] = keep[e];
+    for (int e = threadIdx.x; e < Tq * L.KB; e += blockDim.x) {
+      const int r = e / L.KB;
+      skeep[e] = keep[r * mask_row + (e - r * L.KB)];
+    }
   }
   load_keys(att, a, seq, TKc);
   cp_async_wait_all();
@@ -424,7 +442,7 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
           const bool ok = qi < Tq && att[kj] && (!a.causal || kj <= qi + Tk - Tq);
           const float p = ok ? exp2f(st[n][e] * scale - slse[qi]) : 0.f;
           float keep = 1.f;
-          if (a.p > 0.f && ok) keep = ((skeep[qi * mask_row + (kj >> 3)] >> (kj & 7)) & 1u) ? keep_scale : 0.f;
+          if (a.p > 0.f && ok) keep = ((skeep[qi * L.KB + (kj >> 3)] >> (kj & 7)) & 1u) ? keep_scale : 0.f;
           pd[n][e] = p * keep;
           ds[n][e] = ok ? p * (dpt[n][e] * keep - sdelta[qi]) * a.scale : 0.f;
         }
@@ -481,7 +499,7 @@ namespace {
 
 template <typename T, int D, int KC>
 void launch_fwd_kc(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream) {
-  const Smem<T, D> L(a.Tq, a.Tk, false);
+  const Smem<T, D> L(cap_q(a), cap_k(a), false);
   auto kern = short_attention_fwd_kernel<T, D, KC>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(L.total));
   kern<<<a.B * a.H, 2 * L.TQ, L.total, stream>>>(a, rng, a.p > 0.f ? dropout_threshold(a.p) : 0u);
@@ -490,7 +508,7 @@ void launch_fwd_kc(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t str
 
 template <typename T, int D>
 void launch_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream) {
-  const int TK = round16(a.Tk);
+  const int TK = round16(cap_k(a));
   if (TK <= 32) launch_fwd_kc<T, D, 32>(a, rng, stream);
   else if (TK <= 64) launch_fwd_kc<T, D, 64>(a, rng, stream);
   else launch_fwd_kc<T, D, 128>(a, rng, stream);
@@ -498,7 +516,7 @@ void launch_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream
 
 template <typename T, int D>
 void launch_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
-  const Smem<T, D> L(a.Tq, a.Tk, true);
+  const Smem<T, D> L(cap_q(a), cap_k(a), true);
   auto kern = short_attention_bwd_kernel<T, D>;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(L.total));
   kern<<<a.B * a.H, 2 * (L.TQ > L.TK ? L.TQ : L.TK), L.total, stream>>>(a);
@@ -555,16 +573,33 @@ bool short_attention_supported(int device, int64_t Tq, int64_t Tk, int64_t D) {
   return major[device] >= 8 && need <= static_cast<size_t>(smem[device]);
 }
 
+namespace {
+// Packed sequences of mixed lengths: one launch per class of lengths (0, 32], (32, 64], (64, 128] up to the
+// longest, each sized for its class, so that a short sequence's CTA takes the shared memory (and the
+// occupancy) of its class rather than of the longest sequence. Padded tensors: one launch.
+template <typename F>
+void per_class(const ShortAttentionArgs& a, F&& launch) {
+  if (a.cu_q == nullptr) return launch(a);
+  const int longest = a.Tq > a.Tk ? a.Tq : a.Tk;
+  for (int lo = 0, hi = 32; lo < longest; lo = hi, hi *= 2) {
+    ShortAttentionArgs c = a;
+    c.lo = lo;
+    c.hi = hi;
+    launch(c);
+  }
+}
+}  // namespace
+
 void short_attention_fwd(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream) {
   check_args(a);
   if ((int64_t)a.B * a.H == 0) return;
-  LS_SHORT_ATTN_DISPATCH(a, launch_fwd, a, rng, stream);
+  per_class(a, [&](const ShortAttentionArgs& c) { LS_SHORT_ATTN_DISPATCH(c, launch_fwd, c, rng, stream); });
 }
 
 void short_attention_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
   check_args(a);
   if ((int64_t)a.B * a.H == 0) return;
-  LS_SHORT_ATTN_DISPATCH(a, launch_bwd, a, stream);
+  per_class(a, [&](const ShortAttentionArgs& c) { LS_SHORT_ATTN_DISPATCH(c, launch_bwd, c, stream); });
 }
 
 }  // namespace ls

@@ -162,6 +162,9 @@ struct ShortAttentionArgs {
   // Tq, Tk are the longest lengths (longer sequences are cut to them); lse and the keep bits keep their padded rows.
   const int* cu_q = nullptr;
   const int* cu_k = nullptr;
+  // set by the launcher (attention.cu) for packed sequences: this launch takes the sequences whose longer length
+  // is in (lo, hi], its CTAs sized for at most hi; 0, 0: every sequence, sized for (Tq, Tk)
+  int lo = 0, hi = 0;
 };
 // Whether the kernels take these sizes on this device: D 32, 64 or 128, lengths 1 .. kShortAttentionMax, sm_80 or
 // newer (cp.async, bf16 tensor cores), and the shared memory of the backward's CTA within what a block may use.
