@@ -17,8 +17,9 @@ replayed, as the training step runs it; median of 3 x 10 replays):
 
 With --packed MAX (a comma list of longest lengths) it times packed sequences instead (batches of
 sentences back to back, as the packed model runs them; causal, dropout 0.1): for each length T, sentences
-all of T tokens through ops.attention with the kernels sized for T and for each longer MAX (a packed
-shape bucket sizes them for its longest sentence), and through flash's varlen kernel.
+all of T tokens through ops.attention told that the longest is T, and each longer MAX (what a packed shape
+bucket passes for all of its batches; the kernels launch once per class of lengths up to it), and through
+flash's varlen kernel.
 """
 
 import argparse
