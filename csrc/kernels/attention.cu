@@ -497,11 +497,28 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
 // ================================================================ launchers
 namespace {
 
+// Raises (never lowers) a kernel's dynamic shared-memory limit on the current device to `bytes`: a CUDA graph
+// captured earlier with a larger launch of the same kernel must stay launchable. `allowed`: the kernel's limits so
+// far, per device.
+template <typename K>
+void allow_smem(K* kern, std::atomic<int> (&allowed)[64], size_t bytes) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < 64 && static_cast<int>(bytes) <= allowed[dev].load(std::memory_order_relaxed)) return;
+  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (dev >= 0 && dev < 64) {
+    int seen = allowed[dev].load(std::memory_order_relaxed);
+    while (static_cast<int>(bytes) > seen && !allowed[dev].compare_exchange_weak(seen, static_cast<int>(bytes))) {
+    }
+  }
+}
+
 template <typename T, int D, int KC>
 void launch_fwd_kc(const ShortAttentionArgs& a, PhiloxArgs rng, cudaStream_t stream) {
   const Smem<T, D> L(cap_q(a), cap_k(a), false);
   auto kern = short_attention_fwd_kernel<T, D, KC>;
-  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(L.total));
+  static std::atomic<int> allowed[64];
+  allow_smem(kern, allowed, L.total);
   kern<<<a.B * a.H, 2 * L.TQ, L.total, stream>>>(a, rng, a.p > 0.f ? dropout_threshold(a.p) : 0u);
   check_launch("short_attention_fwd", stream);
 }
@@ -518,7 +535,8 @@ template <typename T, int D>
 void launch_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
   const Smem<T, D> L(cap_q(a), cap_k(a), true);
   auto kern = short_attention_bwd_kernel<T, D>;
-  cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(L.total));
+  static std::atomic<int> allowed[64];
+  allow_smem(kern, allowed, L.total);
   kern<<<a.B * a.H, 2 * (L.TQ > L.TK ? L.TQ : L.TK), L.total, stream>>>(a);
   check_launch("short_attention_bwd", stream);
 }
