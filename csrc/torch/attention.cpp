@@ -62,6 +62,9 @@ ls::ShortAttentionArgs make_args(const char* op, const Tensor& q, const Tensor& 
   return a;
 }
 
+// bytes of the keep bits: [B, H, Tq] rows of ceil(Tk / 8)
+int64_t keep_bytes(const ls::ShortAttentionArgs& a) { return (int64_t)a.B * a.H * a.Tq * ((a.Tk + 7) / 8); }
+
 // packed: every tensor's batch stride 0 (a sequence's rows start at its offset; after all tensors are bound)
 void unbatch(ls::ShortAttentionArgs& a) {
   for (int64_t* s : {a.q_s, a.k_s, a.v_s, a.o_s, a.do_s, a.dq_s, a.dk_s, a.dv_s}) s[0] = 0;
@@ -129,8 +132,7 @@ std::vector<Tensor> short_attention_fwd(const Tensor& q, const Tensor& k, const 
   ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p, pk);
   Tensor out = token_major_like(q);
   Tensor lse = at::empty({a.B, a.H, a.Tq}, q.options().dtype(at::kFloat));
-  const int64_t mask_row = (a.Tk + 7) / 8;
-  Tensor mask = at::empty({p > 0.0 ? (int64_t)a.B * a.H * a.Tq * mask_row : 0}, q.options().dtype(at::kByte));
+  Tensor mask = at::empty({p > 0.0 ? keep_bytes(a) : 0}, q.options().dtype(at::kByte));
   bind(a.out, a.o_s, out);
   if (pk != nullptr) unbatch(a);
   a.lse = lse.data_ptr<float>();
@@ -147,23 +149,20 @@ std::vector<Tensor> short_attention_bwd(const Tensor& dout, const Tensor& q, con
   const char* op = "short_attention_bwd";
   check_p(op, p);
   LS_CHECK(short_attention_fits(q, k, v, attend, pk), op, ": inputs do not fit the kernel");
-  const int64_t B = pk != nullptr ? pk->cu_q.numel() - 1 : q.size(0), Tq = pk != nullptr ? pk->max_q : q.size(2);
-  const int64_t Tk = pk != nullptr ? pk->max_k : k.size(2);
   LS_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() &&
                out.scalar_type() == q.scalar_type(),
            op, ": dout ", dout.sizes(), " / out ", out.sizes(), " must match q ", q.sizes(), " (", q.scalar_type(),
            ")");
-  LS_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == B * q.size(1) * Tq, op,
-           ": lse must be the forward's fp32 [B, H, Tq]");
-  const int64_t mask_row = (Tk + 7) / 8;
-  if (p > 0.0)
-    LS_CHECK(mask.scalar_type() == at::kByte && mask.is_contiguous() && mask.numel() == B * q.size(1) * Tq * mask_row,
-             op, ": the forward's keep bits are missing or of another shape");
   c10::cuda::CUDAGuard guard(q.device());
   const OptTensor att = attend_bytes(attend);
+  ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p, pk);
+  LS_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == (int64_t)a.B * a.H * a.Tq, op,
+           ": lse must be the forward's fp32 [B, H, Tq]");
+  if (p > 0.0)
+    LS_CHECK(mask.scalar_type() == at::kByte && mask.is_contiguous() && mask.numel() == keep_bytes(a), op,
+             ": the forward's keep bits are missing or of another shape");
   Tensor dO = rows_aligned(dout) ? dout : token_major_like(dout).copy_(dout);
   Tensor o = rows_aligned(out) ? out : token_major_like(out).copy_(out);
-  ls::ShortAttentionArgs a = make_args(op, q, k, v, att, causal, p, pk);
   Tensor dq = token_major_like(q), dk = token_major_like(k), dv = token_major_like(v);
   bind(a.out, a.o_s, o);
   bind(a.dout, a.do_s, dO);

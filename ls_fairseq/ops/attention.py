@@ -152,12 +152,11 @@ def _varlen_cuda(q, k, v, varlen: Varlen, causal: bool, p: float):
     without dropout: over packed sequences its backward does not see the mask its forward drew (measured: the
     gradient of a dropout attention disagrees with its output)."""
     if q.dtype in (torch.float16, torch.bfloat16):
-        mod = None
-        if max(varlen.max_q, varlen.max_k) <= SHORT_KERNEL_LEN and not torch.compiler.is_compiling():
-            mod = kernel_module("attention", q, k, v)
-        packed = dict(cu_q=varlen.cu_q, cu_k=varlen.cu_k, max_q=int(varlen.max_q), max_k=int(varlen.max_k))
-        if mod is not None and mod.short_attention_fits(q, k, v, None, **packed):
-            return mod.ag_short_attention(q, k, v, None, causal, p, **packed)
+        mod = _short_kernel(q, k, v, longest=max(varlen.max_q, varlen.max_k))
+        if mod is not None:
+            packed = dict(cu_q=varlen.cu_q, cu_k=varlen.cu_k, max_q=int(varlen.max_q), max_k=int(varlen.max_k))
+            if mod.short_attention_fits(q, k, v, None, **packed):
+                return mod.ag_short_attention(q, k, v, None, causal, p, **packed)
         out = torch.ops.aten._flash_attention_forward(
             q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0], varlen.cu_q, varlen.cu_k,
             int(varlen.max_q), int(varlen.max_k), float(p), bool(causal), False)[0]
@@ -172,10 +171,13 @@ def _varlen_cuda(q, k, v, varlen: Varlen, causal: bool, p: float):
     return out.transpose(1, 2)
 
 
-def _short_kernel(q, k, v, key_padding_mask):
+def _short_kernel(q, k, v, key_padding_mask=None, longest=None):
     """The extension when the short-sequence kernel may take this call (its own check follows), else None:
-    fp16 / bf16 with both lengths <= SHORT_KERNEL_LEN, outside torch.compile (which traces SDPA)."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or max(q.shape[-2], k.shape[-2]) > SHORT_KERNEL_LEN:
+    fp16 / bf16 with both lengths <= SHORT_KERNEL_LEN (``longest``: the longest packed sequence; default
+    q's and k's lengths), outside torch.compile (which traces SDPA)."""
+    if longest is None:
+        longest = max(q.shape[-2], k.shape[-2])
+    if q.dtype not in (torch.float16, torch.bfloat16) or longest > SHORT_KERNEL_LEN:
         return None
     if torch.compiler.is_compiling():
         return None

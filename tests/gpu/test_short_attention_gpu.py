@@ -9,6 +9,7 @@ import torch
 
 from ls_fairseq import _ext
 from ls_fairseq.ops import attention, merge_heads
+from tests.test_packing import _cu
 from ._tols import assert_close_to_gold, keep_rate_ok
 
 pytestmark = pytest.mark.gpu
@@ -227,8 +228,7 @@ def _packed_inputs(lq, lk, H, D, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     def make(n):
         return torch.randn(1, n, H, D, device="cuda", generator=g).to(dtype).transpose(1, 2)
-    cu = [torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device="cuda") for x in (lq, lk)]
-    return make(sum(lq)), make(sum(lk)), make(sum(lk)), make(sum(lq)), cu[0], cu[1]
+    return make(sum(lq)), make(sum(lk)), make(sum(lk)), make(sum(lq)), _cu(lq).cuda(), _cu(lk).cuda()
 
 
 def _pad(x, lengths, T):
