@@ -182,20 +182,22 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // out = attention(q, k, v) as one node; keeps q, k, v, out, the log-sum-exp and the keep bits.
-// Packed: cu_q, cu_k defined (int32 offsets) with the longest lengths; padded: both undefined.
+// Packed: cu_q, cu_k given (int32 offsets) with the longest lengths; padded: both absent (optional, not undefined
+// tensors: autograd records the device of every tensor argument it is given).
 struct ShortAttentionNode : public torch::autograd::Function<ShortAttentionNode> {
   static Tensor forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const OptTensor& attend, bool causal, double p, const Tensor& cu_q, const Tensor& cu_k,
-                        int64_t max_q, int64_t max_k) {
-    const Packed pk{cu_q, cu_k, max_q, max_k};
-    auto r = short_attention_fwd(q, k, v, attend, causal, p, cu_q.defined() ? &pk : nullptr);
+                        const OptTensor& attend, bool causal, double p, const OptTensor& cu_q,
+                        const OptTensor& cu_k, int64_t max_q, int64_t max_k) {
+    const bool packed = present(cu_q);
+    const Packed pk = packed ? Packed{*cu_q, *cu_k, max_q, max_k} : Packed{};
+    auto r = short_attention_fwd(q, k, v, attend, causal, p, packed ? &pk : nullptr);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({q, k, v, r[0], r[1], r[2]});
     ctx->saved_data["attend"] = present(attend) ? c10::IValue(*attend) : c10::IValue();
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["p"] = p;
-    ctx->saved_data["cu_q"] = cu_q.defined() ? c10::IValue(cu_q) : c10::IValue();
-    ctx->saved_data["cu_k"] = cu_k.defined() ? c10::IValue(cu_k) : c10::IValue();
+    ctx->saved_data["cu_q"] = packed ? c10::IValue(*cu_q) : c10::IValue();
+    ctx->saved_data["cu_k"] = packed ? c10::IValue(*cu_k) : c10::IValue();
     ctx->saved_data["max_q"] = max_q;
     ctx->saved_data["max_k"] = max_k;
     return r[0];
@@ -227,7 +229,7 @@ Tensor ag_short_attention(const Tensor& q, const Tensor& k, const Tensor& v, con
                           double p, const Packed* pk) {
   if (pk != nullptr)
     return ShortAttentionNode::apply(q, k, v, attend, causal, p, pk->cu_q, pk->cu_k, pk->max_q, pk->max_k);
-  return ShortAttentionNode::apply(q, k, v, attend, causal, p, Tensor(), Tensor(), 0, 0);
+  return ShortAttentionNode::apply(q, k, v, attend, causal, p, OptTensor(), OptTensor(), 0, 0);
 }
 
 }  // namespace ls_torch
