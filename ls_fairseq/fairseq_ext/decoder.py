@@ -146,14 +146,15 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         kv = self._cross_kv(encoder_out, state)
         return self._layers(x, kv, enc_pad, self_pad, state, None, rows, True)
 
-    def extract_packed_features(self, packed, encoder_out, return_all_hiddens: bool = False):
+    def extract_packed_features(self, packed, encoder_out, return_all_hiddens: bool = False, every_row: bool = False):
         """Features [R, C] of the packing's counted rows, over the packed batch (the encoder's output packed
-        with it)."""
+        with it); ``every_row``: of every packed row instead, [1, N, C]."""
         if encoder_out is None or len(encoder_out["encoder_out"]) == 0:
             raise ValueError("ls_transformer's decoder needs the encoder output")
         x = self._embed(packed["tgt_tokens"], False, packed["tgt_positions"])  # [1, Nt, C]
         kv = self._cross_kv(encoder_out, None)  # each [1, H, Ns, D]
-        return self._layers(x, kv, None, None, None, cross_varlen(packed), packed["rows"], return_all_hiddens)
+        rows = None if every_row else packed["rows"]
+        return self._layers(x, kv, None, None, None, cross_varlen(packed), rows, return_all_hiddens)
 
     def _layers(self, x, kv, enc_pad, self_pad, state, varlen, rows, every_layer: bool):
         """The layers over x (with each layer's cache while decoding incrementally: ``state``; over packed

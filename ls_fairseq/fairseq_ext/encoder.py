@@ -73,7 +73,7 @@ class LSTransformerEncoder(FairseqEncoder):
                 check_fp8_device(self.embed_tokens.weight)
                 self.fp8_checked = True
             self.fp8_state.begin_forward(self.embed_tokens.weight.device)
-        T = src_tokens.shape[1]
+        T = int(packed["max_src"]) if packed is not None else src_tokens.shape[1]  # a packing: its longest sentence
         if T > self.max_positions():
             raise ValueError(
                 f"source sequence of length {T} exceeds the model's maximum of {self.max_positions()} positions "

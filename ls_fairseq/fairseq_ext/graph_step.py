@@ -45,8 +45,12 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from ls_fairseq import env
 from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
-from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, pad_batch, plan_buckets, plan_report
+from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
+from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
+from ls_fairseq.fairseq_ext.split_step import (PACKED_KEYS, body, body_packed, head, logging_output, pack_sample,
+                                               packed_inputs, packing_shape, padded_inputs, split_step)  # noqa: F401
 
 logger = logging.getLogger("fairseq.trainer")
 
@@ -57,57 +61,6 @@ DEFAULT_BUCKETS = 64
 OPTIONS = {"on": False, "several_gpus": False, "buckets": DEFAULT_BUCKETS}
 WARMUP_UPDATES = 2  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
-
-
-# ----------------------------------------------------------------------------- the split step
-def body(model, src_tokens, src_lengths, prev_output_tokens):
-    """Encoder and decoder up to the decoder's features [B, T, C] (what the graphs hold)."""
-    enc = model.encoder(src_tokens, src_lengths=src_lengths, src_has_padding=True)
-    x, _ = model.decoder.extract_features(prev_output_tokens, enc)
-    return x
-
-
-def head(model, criterion, features, rows, target_rows):
-    """(loss, nll_loss) of the counted positions ``rows`` of ``features`` [B, T, C], computed as
-    ls_label_smoothed_cross_entropy computes them from the full model."""
-    from ls_fairseq.ops import label_smoothed_cross_entropy
-
-    x = features.reshape(-1, features.shape[-1]).index_select(0, rows)
-    logits = model.decoder.output_layer(x)
-    return label_smoothed_cross_entropy(logits, target_rows, criterion.eps, ignore_index=criterion.padding_idx)
-
-
-def logging_output(criterion, loss, nll_loss, ntokens, nsentences):
-    sample_size = nsentences if criterion.sentence_avg else ntokens
-    return sample_size, {"loss": loss.data, "nll_loss": nll_loss.data, "ntokens": ntokens,
-                         "nsentences": nsentences, "sample_size": sample_size}
-
-
-def padded_inputs(sample, bucket: Bucket, criterion, pad: int, eos: int, left_pad_source: bool):
-    """The host tensors of ``sample`` padded to ``bucket``: (src_tokens, src_lengths,
-    prev_output_tokens, rows, target_rows), rows indexing the flattened padded target."""
-    net = sample["net_input"]
-    src, lengths, prev, tgt = pad_batch(net["src_tokens"], net["prev_output_tokens"], sample["target"], bucket,
-                                        pad, eos, left_pad_source)
-    rows = criterion.counted_rows(tgt)
-    return src, lengths, prev, rows, tgt.reshape(-1).index_select(0, rows)
-
-
-def split_step(model, criterion, sample, bucket: Bucket, pad: int, eos: int, left_pad_source: bool = True,
-               backward=None):
-    """The graph step's arithmetic without graphs (any device): body, head, backward through the
-    head into the features, backward through the body. Returns (loss, sample_size, logging output).
-    ``backward(loss)`` (optional) replaces ``loss.backward()`` (the trainer's loss scaling)."""
-    dev = next(model.parameters()).device
-    src, lengths, prev, rows, target_rows = (t.to(dev) for t in padded_inputs(
-        sample, bucket, criterion, pad, eos, left_pad_source))
-    feats = body(model, src, lengths, prev)
-    leaf = feats.detach().requires_grad_(True)
-    loss, nll = head(model, criterion, leaf, rows, target_rows)
-    (backward or torch.Tensor.backward)(loss)
-    torch.autograd.backward(feats, leaf.grad)
-    sample_size, log = logging_output(criterion, loss, nll, sample["ntokens"], sample["target"].size(0))
-    return loss, sample_size, log
 
 
 # ----------------------------------------------------------------------------- eligibility
@@ -153,9 +106,8 @@ class _Graphs:
     leaves the body's parameter gradients in the pool; ``copy`` writes them over the flat gradient
     buffer (and zeroes the slices of parameters the body does not reach), ``add`` adds them to it."""
 
-    def __init__(self, fwd, bwd, copy, add, src, lengths, prev, feats, grad):
+    def __init__(self, fwd, bwd, copy, add, feats, grad):
         self.fwd, self.bwd, self.copy, self.add = fwd, bwd, copy, add
-        self.src, self.lengths, self.prev = src, lengths, prev
         self.feats, self.grad = feats, grad
 
 
@@ -164,12 +116,19 @@ class GraphStep:
     docstring). :meth:`micro_batch` returns None for a batch it leaves to the eager step.
 
     ``replay=False``: each batch is padded to its bucket and runs :func:`split_step` instead of the
-    graphs (any device; the tests check the graph step's arithmetic with it on the CPU)."""
+    graphs (any device; the tests check the graph step's arithmetic with it on the CPU).
+    ``packed``: packed buckets (the real tokens only); default: in fp16 / bf16 (the attention kernels over
+    packed sentences; fp32 has none with a right dropout backward), unless LS_FAIRSEQ_PADDED_GRAPHS=1."""
 
-    def __init__(self, trainer, max_buckets: int = DEFAULT_BUCKETS, replay: bool = True):
+    def __init__(self, trainer, max_buckets: int = DEFAULT_BUCKETS, replay: bool = True,
+                 packed: Optional[bool] = None):
         self.trainer = trainer
         self.replay = bool(replay)
         self.model = trainer._model
+        if packed is None:
+            dtype = next(self.model.parameters()).dtype
+            packed = dtype in (torch.float16, torch.bfloat16) and not env.padded_graphs()
+        self.packed = bool(packed)
         self.criterion = trainer._criterion
         self.max_buckets = int(max_buckets)
         d = trainer.task.target_dictionary
@@ -209,14 +168,23 @@ class GraphStep:
                                "the eager step")
             return
         t0 = time.perf_counter()
-        shapes = batch_shapes(batches, src_sizes, tgt_sizes)
-        self.buckets = plan_buckets(shapes, self.max_buckets)
         self._planned_for = batches
-        distinct, extra, extra_tgt = plan_report(self.buckets, shapes)
-        logger.info("CUDA-graph step: %d shape buckets for %d batches of %d distinct shapes: %.1f%% more "
-                    "positions computed than fairseq's batches (%.1f%% more target positions; planned in %.2f s)",
-                    len(self.buckets), len(shapes), distinct, 100 * extra, 100 * extra_tgt,
-                    time.perf_counter() - t0)
+        if self.packed:
+            points = batch_points(batches, src_sizes, tgt_sizes)
+            self.buckets = plan_packed(points, self.max_buckets)
+            extra, extra_tgt, missing = packed_report(self.buckets, points)
+            logger.info("CUDA-graph step: %d packed buckets for %d batches: %.1f%% more rows computed than the "
+                        "batches' real tokens (%.1f%% more target rows; %d batches fit none; planned in %.2f s)",
+                        len(self.buckets), len(points), 100 * extra, 100 * extra_tgt, missing,
+                        time.perf_counter() - t0)
+        else:
+            shapes = batch_shapes(batches, src_sizes, tgt_sizes)
+            self.buckets = plan_buckets(shapes, self.max_buckets)
+            distinct, extra, extra_tgt = plan_report(self.buckets, shapes)
+            logger.info("CUDA-graph step: %d shape buckets for %d batches of %d distinct shapes: %.1f%% more "
+                        "positions computed than fairseq's batches (%.1f%% more target positions; planned in "
+                        "%.2f s)", len(self.buckets), len(shapes), distinct, 100 * extra, 100 * extra_tgt,
+                        time.perf_counter() - t0)
         self._alloc_shared()
 
     def _alloc_shared(self):
@@ -225,8 +193,8 @@ class GraphStep:
         if not self.buckets or not self.replay:
             return
         C = self.model.decoder.embed_tokens.embedding_dim
-        n_in = max(b.sentences * (b.src_len + b.tgt_len + 1) + 2 * b.sentences * b.tgt_len for b in self.buckets)
-        n_feat = max(b.sentences * b.tgt_len for b in self.buckets) * C
+        n_in = max(sum(int(np.prod(s)) for _, s in self._shapes(b, self._max_rows(b))) for b in self.buckets)
+        n_feat = max(self._feat_rows(b) for b in self.buckets) * C
         dev = self.trainer.device
         dtype = next(self.model.parameters()).dtype
         if self._dev_in is None or self._dev_in.numel() < n_in:
@@ -273,11 +241,23 @@ class GraphStep:
             return None
         B, S = net["src_tokens"].shape
         T = net["prev_output_tokens"].shape[1]
-        bucket = choose(self.buckets, B, S, T)
+        packing = None
+        if self.packed:
+            packing = pack_sample(sample, self.criterion, self.pad)
+            if packing is None:
+                self.counts["eager"] += 1
+                self._say("pack", "CUDA-graph step: a batch that cannot be packed (a sentence without tokens) takes "
+                                  "the eager step (said once)")
+                return None
+            shape = packing_shape(packing[0])
+            bucket = choose_packed(self.buckets, *shape)
+        else:
+            shape = (B, S, T)
+            bucket = choose(self.buckets, B, S, T)
         if bucket is None:
             self.counts["eager"] += 1
-            self._say("fit", f"CUDA-graph step: a batch of shape ({B}, {S}, {T}) fits no shape bucket and takes "
-                             "the eager step (said once)")
+            self._say("fit", f"CUDA-graph step: a batch of shape {shape} fits no shape bucket and takes the eager "
+                             "step (said once)")
             return None
         if self.model.training is False or self.criterion.training is False:
             return None
@@ -287,8 +267,11 @@ class GraphStep:
                                                 self.left_pad_source, backward=optimizer.backward)
             self.counts["graph"] += 1
             return loss.detach(), sample_size, log
-        src, lengths, prev, rows, target_rows = padded_inputs(sample, bucket, self.criterion, self.pad, self.eos,
-                                                              self.left_pad_source)
+        if self.packed:
+            p = packed_inputs(packing[0], bucket, self.pad)
+            inputs = [p[k] for k in PACKED_KEYS] + [p["rows"], packing[1]]
+        else:
+            inputs = padded_inputs(sample, bucket, self.criterion, self.pad, self.eos, self.left_pad_source)
         key = self._buffers_key(optimizer)
         if key != self.__dict__.get("_key"):
             if self.graphs:  # a new optimizer (its own flat buffers): the graphs read and write the old ones
@@ -296,8 +279,8 @@ class GraphStep:
                 self.graphs.clear()
             self._key = key
         g = self.graphs.get(bucket)
-        views = self._views(bucket, rows.numel())
-        self._upload(views, src, lengths, prev, rows, target_rows)
+        views = self._views(bucket, inputs[-1].numel())
+        self._upload(views, *inputs)
         if g is None:
             g = self._capture(bucket, views)
             if g is None:
@@ -330,12 +313,35 @@ class GraphStep:
             return None
         return tuple((buf.param.data_ptr(), buf.grad.data_ptr()) for ws in opt._optimizer.workspaces for buf in ws.buffers)
 
-    def _views(self, bucket: Bucket, n_rows: int):
-        """Fixed views of the shared input buffer for ``bucket`` (the graphs read the first three)."""
-        B, S, T = bucket.sentences, bucket.src_len, bucket.tgt_len
+    @staticmethod
+    def _shapes(bucket, n_rows: int):
+        """(name, shape) of a bucket's inputs in the shared buffer: the graphs read all but the last two, the
+        counted rows and their targets (the eager head's)."""
+        if isinstance(bucket, PackedBucket):
+            S, Rs, Rt = bucket.sentences + 1, bucket.src_rows, bucket.tgt_rows
+            sizes = {"src_tokens": (1, Rs), "src_positions": (1, Rs), "cu_src": (S,), "tgt_tokens": (1, Rt),
+                     "tgt_positions": (1, Rt), "cu_tgt": (S,)}
+            named = [(k, sizes[k]) for k in PACKED_KEYS]
+        else:
+            B, S, T = bucket.sentences, bucket.src_len, bucket.tgt_len
+            named = [("src", (B, S)), ("lengths", (B,)), ("prev", (B, T))]
+        return named + [("rows", (n_rows,)), ("target_rows", (n_rows,))]
+
+    @staticmethod
+    def _max_rows(bucket) -> int:
+        """The most counted rows a batch of ``bucket`` has (the loss rounds its count up to a multiple of 8)."""
+        if isinstance(bucket, PackedBucket):
+            return bucket.tgt_rows + 8
+        return bucket.sentences * bucket.tgt_len
+
+    @staticmethod
+    def _feat_rows(bucket) -> int:
+        return bucket.tgt_rows if isinstance(bucket, PackedBucket) else bucket.sentences * bucket.tgt_len
+
+    def _views(self, bucket, n_rows: int):
+        """Fixed views of the shared input buffer for ``bucket`` (:meth:`_shapes`)."""
         buf, out, pos = self._dev_in, {}, 0
-        for name, shape in (("src", (B, S)), ("lengths", (B,)), ("prev", (B, T)), ("rows", (n_rows,)),
-                            ("target_rows", (n_rows,))):
+        for name, shape in self._shapes(bucket, n_rows):
             n = int(np.prod(shape))
             out[name] = buf[pos:pos + n].view(shape)
             pos += n
@@ -358,12 +364,13 @@ class GraphStep:
         ev.record()
 
     # ------------------------------------------------------------------ capture
-    def _capture(self, bucket: Bucket, views) -> Optional[_Graphs]:
+    def _capture(self, bucket, views) -> Optional[_Graphs]:
         t0 = time.perf_counter()
-        B, T = bucket.sentences, bucket.tgt_len
         C = self.model.decoder.embed_tokens.embedding_dim
-        feats_out = self._feat_buf[:B * T * C].view(B, T, C)
-        grad_in = self._grad_buf[:B * T * C].view(B, T, C)
+        shape = (1, bucket.tgt_rows, C) if self.packed else (bucket.sentences, bucket.tgt_len, C)
+        n = int(np.prod(shape))
+        feats_out = self._feat_buf[:n].view(shape)
+        grad_in = self._grad_buf[:n].view(shape)
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         cur = torch.cuda.current_stream()
@@ -375,7 +382,10 @@ class GraphStep:
                 parts = self.capture_parts
                 graph = fwd
                 fwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                feats = body(self.model, views["src"], views["lengths"], views["prev"])
+                if self.packed:
+                    feats = body_packed(self.model, views, bucket.max_len)
+                else:
+                    feats = body(self.model, views["src"], views["lengths"], views["prev"])
                 with torch.no_grad():  # a copy outside autograd: the buffer must not hold the graph
                     feats_out.copy_(feats)
                 t1 = time.perf_counter()
@@ -417,7 +427,7 @@ class GraphStep:
                            self.disabled)
             return None
         cur.wait_stream(self.stream)
-        g = self.graphs[bucket] = _Graphs(fwd, bwd, copy, add, views["src"], views["lengths"], views["prev"], feats_out, grad_in)
+        g = self.graphs[bucket] = _Graphs(fwd, bwd, copy, add, feats_out, grad_in)
         dt = time.perf_counter() - t0
         self.capture_seconds += dt
         logger.debug("CUDA-graph step: captured %s in %.0f ms", bucket, dt * 1e3)

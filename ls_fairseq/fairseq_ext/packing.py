@@ -77,29 +77,48 @@ def pack_batch(src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor, targe
             "rows": host(np.where(counted, packed_row[r], 0))}
 
 
-def pad_packing(packed, src_tokens: int, tgt_tokens: int, sentences: int, pad: int) -> Dict[str, object]:
+def _chunks(extra: int, parts: int):
+    """``extra`` rows in ``parts`` sentences as even as can be (the first ones one longer)."""
+    base, rest = divmod(extra, parts) if parts else (0, 0)
+    return [base + (1 if i < rest else 0) for i in range(parts)]
+
+
+def pad_packing(packed, src_tokens: int, tgt_tokens: int, sentences: int, pad: int,
+                max_len: Optional[int] = None) -> Dict[str, object]:
     """``packed`` grown to fixed sizes (a CUDA graph's shapes): ``src_tokens`` / ``tgt_tokens`` rows and
-    ``sentences`` entries of cu_src / cu_tgt (+ 1). The added rows form one more sentence of padding tokens
-    on each side (rows the loss never reads: their gradient is zero), the remaining entries are sentences
-    without tokens; max_src / max_tgt grow to cover the added sentence. Host tensors."""
+    ``sentences`` entries of cu_src / cu_tgt (+ 1). The added rows form more sentences of padding tokens (rows
+    the loss never reads: their gradient is zero): one, or with ``max_len`` as many as keep each within
+    ``max_len`` rows on either side, every one with a source row (a target row always has keys to attend to);
+    the remaining entries are sentences without tokens. max_src / max_tgt grow to cover the added sentences.
+    Host tensors."""
     n = packed["cu_src"].numel() - 1
     extra_s = src_tokens - packed["src_tokens"].shape[1]
     extra_t = tgt_tokens - packed["tgt_tokens"].shape[1]
-    if extra_s < 0 or extra_t < 0 or sentences < n + (1 if extra_s or extra_t else 0):
+    if max_len is None:
+        parts = 1 if extra_s or extra_t else 0
+    else:
+        if max_len < 1:
+            raise ValueError(f"pad_packing: max_len must be >= 1, got {max_len}")
+        parts = max(-(-max(extra_s, 0) // max_len), -(-max(extra_t, 0) // max_len))
+    if extra_s < 0 or extra_t < 0 or sentences < n + parts:
         raise ValueError(f"pad_packing: a packing of {n} sentences, {packed['src_tokens'].shape[1]} + "
                          f"{packed['tgt_tokens'].shape[1]} tokens does not fit {sentences} sentences, "
                          f"{src_tokens} + {tgt_tokens} tokens")
-    if (extra_t > 0) != (extra_s > 0):
-        # the added target rows attend to the added source rows: both sides get one, or neither
+    if max_len is None and (extra_t > 0) != (extra_s > 0):
         raise ValueError("pad_packing: add rows on both sides or on neither")
+    if extra_s < parts:  # the added target rows attend to the added source rows: every added sentence needs one
+        raise ValueError(f"pad_packing: {parts} added sentences need as many added source rows, got {extra_s}")
     out = dict(packed)
     for side, extra, total in (("src", extra_s, src_tokens), ("tgt", extra_t, tgt_tokens)):
         fill = torch.full((1, extra), pad, dtype=packed[side + "_tokens"].dtype)
         out[side + "_tokens"] = torch.cat([packed[side + "_tokens"], fill], 1)
         out[side + "_positions"] = torch.cat([packed[side + "_positions"], fill], 1)
         cu = packed["cu_" + side]
-        out["cu_" + side] = torch.cat([cu, torch.full((sentences - n,), total, dtype=cu.dtype)])
-        out["max_" + side] = max(int(packed["max_" + side]), extra)
+        sizes = _chunks(extra, parts)
+        added = int(cu[-1]) + np.cumsum(sizes, dtype=np.int64)
+        out["cu_" + side] = torch.cat([cu, torch.from_numpy(added).to(cu.dtype),
+                                       torch.full((sentences - n - parts,), total, dtype=cu.dtype)])
+        out["max_" + side] = max([int(packed["max_" + side])] + sizes)
     return out
 
 

@@ -69,22 +69,13 @@ def _distinct(shapes: np.ndarray):
         step *= 2
 
 
-def plan_buckets(shapes: np.ndarray, max_buckets: int) -> List[Bucket]:
-    """At most ``max_buckets`` bucket shapes covering every shape in ``shapes`` (int [n, 3]), chosen
-    greedily to add the fewest computed tokens (module docstring). Sorted by computed tokens."""
-    if max_buckets < 1:
-        raise ValueError(f"the number of shape buckets must be >= 1, got {max_buckets}")
-    shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
-    if len(shapes) == 0:
-        return []
-    q, w = _distinct(shapes)
-    q = q.astype(np.float64)
-    w = w.astype(np.float64)
+def merge_points(q: np.ndarray, w: np.ndarray, max_buckets: int, cost) -> np.ndarray:
+    """Greedy merge of the points ``q`` (float [n, d], weights ``w`` [n]) down to ``max_buckets``: repeatedly
+    the two whose merge (their element-wise maximum) adds the least ``w * cost(point)`` summed over the
+    points. ``cost`` maps [..., d] to [...]. Returns the surviving points [<= max_buckets, d]."""
+    q = q.astype(np.float64).copy()
+    w = w.astype(np.float64).copy()
     alive = np.ones(len(q), dtype=bool)
-
-    def cost(a):
-        return a[..., 0] * (a[..., 1] + a[..., 2])
-
     own = w * cost(q)
     merged = np.maximum(q[:, None, :], q[None, :, :])
     delta = (w[:, None] + w[None, :]) * cost(merged) - own[:, None] - own[None, :]
@@ -105,7 +96,20 @@ def plan_buckets(shapes: np.ndarray, max_buckets: int) -> List[Bucket]:
         delta[i, :] = row
         delta[:, i] = row
         n -= 1
-    out = [Bucket(*(int(v) for v in s)) for s in q[alive]]
+    return q[alive]
+
+
+def plan_buckets(shapes: np.ndarray, max_buckets: int) -> List[Bucket]:
+    """At most ``max_buckets`` bucket shapes covering every shape in ``shapes`` (int [n, 3]), chosen
+    greedily to add the fewest computed tokens (module docstring). Sorted by computed tokens."""
+    if max_buckets < 1:
+        raise ValueError(f"the number of shape buckets must be >= 1, got {max_buckets}")
+    shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
+    if len(shapes) == 0:
+        return []
+    q, w = _distinct(shapes)
+    kept = merge_points(q, w, max_buckets, lambda a: a[..., 0] * (a[..., 1] + a[..., 2]))
+    out = [Bucket(*(int(v) for v in s)) for s in kept]
     return sorted(out, key=lambda b: (b.tokens, b.sentences, b.src_len, b.tgt_len))
 
 

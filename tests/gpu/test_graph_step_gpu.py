@@ -15,14 +15,14 @@ pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _train(corpus, tmp_path, name, *flags, updates=200, dropout=0.0, seed=1, shared=True):
+def _train(corpus, tmp_path, name, *flags, updates=200, dropout=0.0, seed=1, shared=True, env=None):
     save = tmp_path / name
     arch = SMALL_LS_TRAIN if shared else [f for f in SMALL_LS_TRAIN if f != "--share-all-embeddings"]
     cmd = [sys.executable, "-m", "ls_fairseq.cli.train", corpus, *arch, "--dropout", str(dropout), "--attention-dropout", str(dropout),
            "--max-tokens", "2048", "--max-update", str(updates), "--seed", str(seed), "--no-save",
            "--disable-validation", "--log-format", "json", "--log-interval", "1", "--num-workers", "1",
            "--save-dir", str(save), "--ls-graph-buckets", "12", *flags]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, **(env or {})})
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-5000:]
     records = train_inner_records(out)
@@ -34,29 +34,40 @@ def _graph_micro_batches(out):
     return max((int(a) for a, _ in m), default=0), max((int(b) for _, b in m), default=0)
 
 
-@pytest.mark.parametrize("precision,shared", [("fp32", True), ("fp16", True), ("fp32", False)])
-def test_graph_step_follows_the_eager_loss_curve(corpus, tmp_path, precision, shared):
-    """dropout 0: the same updates up to rounding. Not bit for bit: padded batches give cuBLAS other
-    GEMM shapes (other tilings and summation orders), so the sums round differently. Unshared: the
-    output projection's weight gets its gradient from the eager head alone, the embeddings from
+PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
+
+
+@pytest.mark.parametrize("precision,shared,padded", [("fp32", True, True), ("fp16", True, False),
+                                                     ("fp16", True, True), ("bf16", True, False),
+                                                     ("fp32", False, True), ("fp16", False, False)])
+def test_graph_step_follows_the_eager_loss_curve(corpus, tmp_path, precision, shared, padded):
+    """dropout 0: the same updates up to rounding. Not bit for bit: padded or packed batches give cuBLAS
+    other GEMM shapes (other tilings and summation orders), so the sums round differently. fp16 / bf16 take
+    packed buckets (the real tokens only), or padded ones with LS_FAIRSEQ_PADDED_GRAPHS=1; fp32 padded ones.
+    Unshared: the output projection's weight gets its gradient from the eager head alone, the embeddings from
     the graphs alone."""
-    flags = ["--fp16"] if precision == "fp16" else []
+    flags = PRECISION_FLAGS[precision]
+    env = {"LS_FAIRSEQ_PADDED_GRAPHS": "1"} if padded and precision != "fp32" else None
     eager, _ = _train(corpus, tmp_path, "eager", "--ls-graph-step", "off", *flags, shared=shared)
-    graph, out = _train(corpus, tmp_path, "graph", "--ls-graph-step", "on", *flags, shared=shared)
+    graph, out = _train(corpus, tmp_path, "graph", "--ls-graph-step", "on", *flags, shared=shared, env=env)
     n_graph, n_buckets = _graph_micro_batches(out)
     assert n_graph > 150 and 1 <= n_buckets <= 12, out[-3000:]
+    assert ("packed buckets" in out) == (not padded) and ("shape buckets" in out) == padded, out[-3000:]
     assert len(eager) == len(graph) >= 190
     assert graph[-1] < graph[0] - 1.0  # it learns
-    tol = 2e-3 if precision == "fp32" else 2e-2
+    tol = {"fp32": 2e-3, "fp16": 2e-2, "bf16": 5e-2}[precision]
     worst = max(abs(a - b) / abs(a) for a, b in zip(eager, graph))
     assert worst < tol, f"largest relative loss difference {worst:.2e}\n{list(zip(eager, graph))[:20]}"
 
 
-def test_graph_step_dropout_is_random_and_reproducible(corpus, tmp_path):
-    a, out = _train(corpus, tmp_path, "a", updates=60, dropout=0.2, seed=1)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graph_step_dropout_is_random_and_reproducible(corpus, tmp_path, precision):
+    """fp32: padded buckets; bf16: packed ones (attention dropout over packed sentences)."""
+    flags = PRECISION_FLAGS[precision]
+    a, out = _train(corpus, tmp_path, "a", *flags, updates=60, dropout=0.2, seed=1)
     assert _graph_micro_batches(out)[0] > 40
-    b, _ = _train(corpus, tmp_path, "b", updates=60, dropout=0.2, seed=1)
-    c, _ = _train(corpus, tmp_path, "c", updates=60, dropout=0.2, seed=2)
+    b, _ = _train(corpus, tmp_path, "b", *flags, updates=60, dropout=0.2, seed=1)
+    c, _ = _train(corpus, tmp_path, "c", *flags, updates=60, dropout=0.2, seed=2)
     assert a == b  # fairseq's per-update seeding reaches the replayed dropout kernels
     assert a[10:] != c[10:]
 

@@ -1,0 +1,108 @@
+"""The arithmetic of the CUDA-graph step, without graphs: a batch grown to its bucket, the model's body (what
+the graphs hold), the head (eager) and the two backwards. :mod:`ls_fairseq.fairseq_ext.graph_step` captures
+and replays the body; :func:`split_step` runs the same on any device (the tests check it on the CPU).
+
+Two kinds of bucket: padded (:class:`~ls_fairseq.fairseq_ext.shape_buckets.Bucket`, sentences padded to fixed
+lengths) and packed (:class:`~ls_fairseq.fairseq_ext.packed_buckets.PackedBucket`, the real tokens back to back,
+grown to fixed row counts). Either way the loss, the gradients and the logged statistics are those of the batch
+as fairseq made it (padding is ignored by the masks and the loss, or never computed)."""
+
+import torch
+
+from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket
+from ls_fairseq.fairseq_ext.packing import pack_batch, pad_packing
+from ls_fairseq.fairseq_ext.shape_buckets import Bucket, pad_batch
+
+# the packing's device tensors, in the order the graph step uploads them (cu_* travel as int64)
+PACKED_KEYS = ("src_tokens", "src_positions", "cu_src", "tgt_tokens", "tgt_positions", "cu_tgt")
+
+
+def body(model, src_tokens, src_lengths, prev_output_tokens):
+    """Encoder and decoder up to the decoder's features [B, T, C] (what the graphs hold)."""
+    enc = model.encoder(src_tokens, src_lengths=src_lengths, src_has_padding=True)
+    x, _ = model.decoder.extract_features(prev_output_tokens, enc)
+    return x
+
+
+def body_packed(model, packed, max_len: int):
+    """Encoder and decoder over a packing (the tensors of PACKED_KEYS; sentences of at most ``max_len``
+    tokens): the decoder's features of every packed target row [1, rows, C]."""
+    p = {k: packed[k] for k in PACKED_KEYS}
+    p["cu_src"], p["cu_tgt"] = p["cu_src"].int(), p["cu_tgt"].int()
+    p["max_src"] = p["max_tgt"] = int(max_len)
+    enc = model.encoder(p["src_tokens"], packed=p)
+    x, _ = model.decoder.extract_packed_features(p, enc, every_row=True)
+    return x
+
+
+def head(model, criterion, features, rows, target_rows):
+    """(loss, nll_loss) of the counted positions ``rows`` of ``features`` [..., C], computed as
+    ls_label_smoothed_cross_entropy computes them from the full model."""
+    from ls_fairseq.ops import label_smoothed_cross_entropy
+
+    x = features.reshape(-1, features.shape[-1]).index_select(0, rows)
+    logits = model.decoder.output_layer(x)
+    return label_smoothed_cross_entropy(logits, target_rows, criterion.eps, ignore_index=criterion.padding_idx)
+
+
+def logging_output(criterion, loss, nll_loss, ntokens, nsentences):
+    sample_size = nsentences if criterion.sentence_avg else ntokens
+    return sample_size, {"loss": loss.data, "nll_loss": nll_loss.data, "ntokens": ntokens,
+                         "nsentences": nsentences, "sample_size": sample_size}
+
+
+def padded_inputs(sample, bucket: Bucket, criterion, pad: int, eos: int, left_pad_source: bool):
+    """The host tensors of ``sample`` padded to ``bucket``: (src_tokens, src_lengths,
+    prev_output_tokens, rows, target_rows), rows indexing the flattened padded target."""
+    net = sample["net_input"]
+    src, lengths, prev, tgt = pad_batch(net["src_tokens"], net["prev_output_tokens"], sample["target"], bucket,
+                                        pad, eos, left_pad_source)
+    rows = criterion.counted_rows(tgt)
+    return src, lengths, prev, rows, tgt.reshape(-1).index_select(0, rows)
+
+
+def pack_sample(sample, criterion, pad: int):
+    """(the packing of ``sample`` (host tensors), the targets of its counted rows), or None when the batch
+    cannot be packed (:func:`~ls_fairseq.fairseq_ext.packing.pack_batch`)."""
+    net, tgt = sample["net_input"], sample["target"]
+    rows = criterion.counted_rows(tgt)
+    packed = pack_batch(net["src_tokens"], net["prev_output_tokens"], tgt, rows, pad)
+    if packed is None:
+        return None
+    return packed, tgt.reshape(-1).index_select(0, rows)
+
+
+def packing_shape(packed):
+    """(sentences, source tokens, target tokens, longest sentence) of a packing, as the buckets take it."""
+    return (packed["cu_src"].numel() - 1, packed["src_tokens"].shape[1], packed["tgt_tokens"].shape[1],
+            max(int(packed["max_src"]), int(packed["max_tgt"])))
+
+
+def packed_inputs(packed, bucket: PackedBucket, pad: int):
+    """A packing grown to ``bucket`` (host tensors), its offsets int64."""
+    p = pad_packing(packed, bucket.src_rows, bucket.tgt_rows, bucket.sentences, pad, max_len=bucket.max_len)
+    p["cu_src"], p["cu_tgt"] = p["cu_src"].long(), p["cu_tgt"].long()
+    return p
+
+
+def split_step(model, criterion, sample, bucket, pad: int, eos: int, left_pad_source: bool = True,
+               backward=None):
+    """The graph step's arithmetic without graphs (any device): body, head, backward through the
+    head into the features, backward through the body. Returns (loss, sample_size, logging output).
+    ``backward(loss)`` (optional) replaces ``loss.backward()`` (the trainer's loss scaling)."""
+    dev = next(model.parameters()).device
+    if isinstance(bucket, PackedBucket):
+        packed, target_rows = pack_sample(sample, criterion, pad)
+        p = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in packed_inputs(packed, bucket, pad).items()}
+        rows, target_rows = p["rows"], target_rows.to(dev)
+        feats = body_packed(model, p, bucket.max_len)
+    else:
+        src, lengths, prev, rows, target_rows = (t.to(dev) for t in padded_inputs(
+            sample, bucket, criterion, pad, eos, left_pad_source))
+        feats = body(model, src, lengths, prev)
+    leaf = feats.detach().requires_grad_(True)
+    loss, nll = head(model, criterion, leaf, rows, target_rows)
+    (backward or torch.Tensor.backward)(loss)
+    torch.autograd.backward(feats, leaf.grad)
+    sample_size, log = logging_output(criterion, loss, nll, sample["ntokens"], sample["target"].size(0))
+    return loss, sample_size, log
