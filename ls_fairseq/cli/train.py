@@ -163,14 +163,15 @@ def use_ls_trainer(fairseq_train_module) -> bool:
 
 GRAPH_STEP_HELP = (
     "lightseq-train: replay each micro-batch's forward and backward from CUDA graphs (ls_transformer, "
-    "ls_label_smoothed_cross_entropy, ls_adam; batches are padded to a few shape buckets, which leaves the "
-    "loss and gradients unchanged). auto: on one GPU; on several GPUs the eager step, whose gradient "
+    "ls_label_smoothed_cross_entropy, ls_adam; batches are grown to a few fixed shapes, packed or padded, "
+    "which leaves the loss and gradients unchanged). auto: on one GPU; on several GPUs the eager step, whose gradient "
     "all-reduce overlaps the backward (on: the graphs there too, with the all-reduce after the backward). "
     "Runs that cannot take it use the eager step and say why in the log (default: %(default)s)"
 )
 GRAPH_BUCKETS_HELP = (
-    "lightseq-train: at most this many padded batch shapes (one pair of CUDA graphs each) for "
-    "--ls-graph-step; fewer buckets capture faster but compute more padding (default: %(default)s)"
+    "lightseq-train: at most this many batch shapes (one pair of CUDA graphs each) for --ls-graph-step: "
+    "packed buckets (the real tokens back to back) in fp16 / bf16, padded ones in fp32; fewer buckets "
+    "capture faster but compute more padding (default: %(default)s)"
 )
 
 
