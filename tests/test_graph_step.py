@@ -116,6 +116,12 @@ def _grads(m):
 @pytest.mark.parametrize("normalize_before", [False, True])
 @pytest.mark.parametrize("bucket", [Bucket(3, 6, 6), Bucket(5, 9, 8), Bucket(8, 16, 11)])
 def test_split_step_on_a_padded_batch_equals_the_criterion_on_the_batch(bucket, normalize_before):
+    check_split_step_equals_the_criterion(bucket, normalize_before)
+
+
+def check_split_step_equals_the_criterion(bucket, normalize_before):
+    """split_step over ``bucket`` (padded or packed) gives the criterion's loss, statistics and gradients on the
+    batch as it came (fp64)."""
     from ls_fairseq.fairseq_ext.graph_step import split_step
 
     d = make_dict()

@@ -8,7 +8,7 @@ import torch
 
 from ls_fairseq.fairseq_ext.packed_buckets import (PackedBucket, batch_points, choose_packed, length_class,
                                                    packed_report, plan_packed)
-from test_graph_step import _grads, _model_and_criterion, _sample, _wmt_like_shapes
+from test_graph_step import _model_and_criterion, _sample, _wmt_like_shapes, check_split_step_equals_the_criterion
 from _models import make_dict
 
 
@@ -87,24 +87,7 @@ def test_pad_packing_splits_the_added_rows_into_short_sentences():
 @pytest.mark.parametrize("bucket", [PackedBucket(3, 12, 14, 6), PackedBucket(16, 48, 40, 8),
                                     PackedBucket(8, 32, 32, 32)])
 def test_split_step_on_a_packed_bucket_equals_the_criterion_on_the_batch(bucket, normalize_before):
-    from ls_fairseq.fairseq_ext.graph_step import split_step
-
-    d = make_dict()
-    m, crit = _model_and_criterion(d, normalize_before=normalize_before)
-    sample = _sample(d, [4, 6, 2], [5, 3, 6])
-    m.train()
-    loss, size, log = crit(m, sample)
-    loss.backward()
-    ref = _grads(m)
-    m.zero_grad()
-    loss2, size2, log2 = split_step(m, crit, sample, bucket, d.pad(), d.eos())
-    got = _grads(m)
-    assert size2 == size == sample["ntokens"] and log2["nsentences"] == 3
-    torch.testing.assert_close(log2["loss"], log["loss"], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(log2["nll_loss"], log["nll_loss"], rtol=1e-12, atol=1e-12)
-    assert set(got) == set(ref)
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12, msg=name)
+    check_split_step_equals_the_criterion(bucket, normalize_before)
 
 
 def test_split_step_fails_when_the_padding_rows_join_a_sentence(monkeypatch):
