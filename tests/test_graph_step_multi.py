@@ -18,6 +18,7 @@ backward and the body's backward add into the shared embedding's gradient one af
 import contextlib
 import os
 
+import pytest
 import torch
 
 from _models import lightseq_train, log_lines, save_rank_result, two_rank_results
@@ -43,12 +44,14 @@ class _AsIfOnCuda:
 
 
 @contextlib.contextmanager
-def _graph_step_on_cpu():
-    """lightseq-train's graph step on the CPU, without the replays; yields what it records: the
-    engines made, and the loss of every micro-batch in order (graph step or eager)."""
+def _graph_step_on_cpu(packed=False):
+    """lightseq-train's graph step on the CPU, without the replays, over padded or ``packed`` buckets; yields
+    what it records: the engines made, the loss of every micro-batch in order (graph step or eager), and how
+    many batches were grown to a larger bucket ("padded")."""
     from fairseq.tasks import FairseqTask
 
     from ls_fairseq.fairseq_ext import graph_step
+    from ls_fairseq.fairseq_ext.packed_buckets import choose_packed
     from ls_fairseq.fairseq_ext.shape_buckets import choose
 
     seen = {"engines": [], "losses": [], "padded": 0}
@@ -57,16 +60,24 @@ def _graph_step_on_cpu():
 
     class CpuGraphStep(real_engine):
         def __init__(self, trainer, max_buckets):
-            super().__init__(trainer, max_buckets, replay=False)
+            super().__init__(trainer, max_buckets, replay=False, packed=packed)
             seen["engines"].append(self)
 
         def micro_batch(self, sample, optimizer, num_updates):
             out = super().micro_batch(sample, optimizer, num_updates)
             if out is not None:
                 seen["losses"].append(float(out[2]["loss"]))
-                shape = (sample["net_input"]["src_tokens"].shape + sample["net_input"]["prev_output_tokens"].shape[1:])
-                bucket = choose(self.buckets, *shape)
-                seen["padded"] += shape != (bucket.sentences, bucket.src_len, bucket.tgt_len)
+                net = sample["net_input"]
+                if packed:
+                    pad = self.pad
+                    src, tgt = int(net["src_tokens"].ne(pad).sum()), int(net["prev_output_tokens"].ne(pad).sum())
+                    longest = int(max(net["src_tokens"].ne(pad).sum(1).max(), net["prev_output_tokens"].ne(pad).sum(1).max()))
+                    bucket = choose_packed(self.buckets, len(net["src_tokens"]), src, tgt, longest)
+                    seen["padded"] += (bucket.src_rows, bucket.tgt_rows) != (src, tgt)
+                else:
+                    shape = net["src_tokens"].shape + net["prev_output_tokens"].shape[1:]
+                    bucket = choose(self.buckets, *shape)
+                    seen["padded"] += shape != (bucket.sentences, bucket.src_len, bucket.tgt_len)
             return out
 
     def train_step(self, *args, **kwargs):  # the eager micro-batches
@@ -95,7 +106,8 @@ def _flat_reduction(engine):
 def _two_rank_worker(rank, port, out_dir):
     os.environ["LS_FAIRSEQ_SHARD_ADAM"] = "1"  # asked for: the graph step keeps the whole state anyway
     save = os.path.join(out_dir, "two")
-    with _graph_step_on_cpu() as seen, log_lines() as lines:
+    packed = os.path.exists(os.path.join(out_dir, "packed"))
+    with _graph_step_on_cpu(packed) as seen, log_lines() as lines:
         lightseq_train([os.path.join(out_dir, "data"), "--save-dir", save, *FLAGS,
                         "--distributed-world-size", "2", "--distributed-rank", str(rank),
                         "--distributed-backend", "gloo", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
@@ -106,11 +118,15 @@ def _two_rank_worker(rank, port, out_dir):
                                      "lines": lines})
 
 
-def test_two_ranks_with_the_graph_step_take_the_updates_of_one_process_with_update_freq_2(data_bin, tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_two_ranks_with_the_graph_step_take_the_updates_of_one_process_with_update_freq_2(data_bin, tmp_path, packed):
+    """Padded buckets (fp32's) and packed ones (fp16 / bf16's on a GPU; here their arithmetic in fp32)."""
     os.symlink(data_bin, tmp_path / "data")
+    if packed:
+        (tmp_path / "packed").write_text("")
     ranks = two_rank_results(_two_rank_worker, tmp_path)
 
-    with _graph_step_on_cpu() as one:
+    with _graph_step_on_cpu(packed) as one:
         lightseq_train([data_bin, "--save-dir", str(tmp_path / "one"), *FLAGS, "--update-freq", "2"])
     with _graph_step_on_cpu() as eager:
         lightseq_train([data_bin, "--save-dir", str(tmp_path / "eager"), *FLAGS, "--update-freq", "2",
