@@ -1,13 +1,16 @@
 """The CUDA-graph training step: each micro-batch's forward and backward as two graph replays.
 
 An eager ls_transformer micro-batch launches several hundred kernels; on a host that launches
-slower than the GPU runs them, the GPU idles between kernels. Here each batch is padded up to one
-of a few shape buckets (:mod:`ls_fairseq.fairseq_ext.shape_buckets`) and, per bucket, the model's
-body (encoder, decoder up to its final layer norm) is captured once as two CUDA graphs: its
-forward, and its backward from the gradient of the decoder features into the parameters' gradient
-buffers. A micro-batch is then:
+slower than the GPU runs them, the GPU idles between kernels. Here each batch is grown to one of
+a few fixed shapes, its bucket: in fp16 / bf16 its real tokens packed back to back and grown to fixed
+row counts (:mod:`ls_fairseq.fairseq_ext.packed_buckets`), in fp32 its sentences padded to fixed
+lengths (:mod:`ls_fairseq.fairseq_ext.shape_buckets`; fp32 has no attention kernel over packed
+sentences whose dropout backward is right). Per bucket, the model's body (encoder, decoder up to its
+final layer norm) is captured once as two CUDA graphs: its forward, and its backward from the
+gradient of the decoder features into the parameters' gradient buffers (the arithmetic of both:
+:mod:`ls_fairseq.fairseq_ext.split_step`). A micro-batch is then:
 
-1. the padded batch copied to the GPU in one transfer, into the bucket's fixed input tensors;
+1. the grown batch copied to the GPU in one transfer, into the bucket's fixed input tensors;
 2. the forward graph replayed: the decoder features land in a fixed buffer;
 3. the head, eagerly: the vocabulary projection of the counted target positions and the fused
    label-smoothed cross-entropy (a handful of kernels; its row count varies from batch to batch)
@@ -18,8 +21,8 @@ buffers. A micro-batch is then:
    buffer is not zeroed beforehand), an addition for the later ones of ``--update-freq``
    (:mod:`ls_fairseq.fairseq_ext.graph_grads`).
 
-The loss, the gradients and the logged statistics are those of the unpadded batch (padding is
-ignored by the masks and the loss; see :func:`shape_buckets.pad_batch`). Dropout stays random:
+The loss, the gradients and the logged statistics are those of the batch as fairseq made it (padding
+is ignored by the masks and the loss, or forms sentences of its own that the loss never reads). Dropout stays random:
 the kernels draw their Philox seed and offset from torch's generator in the graph-safe way, so each
 replay gets fresh numbers, and fairseq's per-update seeding reproduces them. The optimizer step
 (ls_adam's deferred step: norm, clip, overflow test, fused Adam) stays eager: a few kernels.
@@ -40,7 +43,7 @@ step instead.
 
 import logging
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import numpy as np
 import torch
@@ -50,7 +53,7 @@ from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
 from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
 from ls_fairseq.fairseq_ext.split_step import (PACKED_KEYS, body, body_packed, head, logging_output, pack_sample,
-                                               packed_inputs, packing_shape, padded_inputs, split_step)  # noqa: F401
+                                               packed_inputs, packing_shape, padded_inputs, split_step)
 
 logger = logging.getLogger("fairseq.trainer")
 
@@ -136,7 +139,7 @@ class GraphStep:
         self.left_pad_source = bool(getattr(trainer.task.cfg, "left_pad_source", True))
         self.buckets = []
         self._planned_for = None
-        self.graphs: Dict[Bucket, _Graphs] = {}
+        self.graphs: Dict[Union[Bucket, PackedBucket], _Graphs] = {}
         self.pool = None
         self.stream = None
         self.disabled = None  # why graphs were turned off for the rest of the run
