@@ -92,9 +92,6 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
         flags += [f"--memory-efficient-{precision}"]
     if kind == "ls_eager":  # lightseq-train without its CUDA-graph step
         flags += ["--ls-graph-step", "off"]
-    env = dict(os.environ)
-    if kind == "ls_padded":  # the CUDA-graph step over padded shape buckets (fp16 / bf16 default: packed ones)
-        env["LS_FAIRSEQ_PADDED_GRAPHS"] = "1"
     if kind.startswith("ls_buckets"):  # ls_buckets128: the CUDA-graph step with that many shape buckets
         flags += ["--ls-graph-buckets", kind[len("ls_buckets"):]]
     if kind.startswith("ls_fp8"):  # ls_fp8 (default gradient format), ls_fp8_e4m3, ls_fp8_e5m2
@@ -107,7 +104,7 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
     text = open(log_path).read()
     epochs_seen = [(int(e), float(s), int(w)) for e, s, w in
                    re.findall(r"BENCH epoch=(\d+) seconds=([\d.]+) tgt_tokens=(\d+)", text)]
@@ -142,7 +139,6 @@ def main():
     ap.add_argument("--max-tokens", default="4096,8192,16384")
     ap.add_argument("--kinds", default="native,ls",
                     help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
-                         "ls_padded (the CUDA-graph step over padded shape buckets), "
                          "ls_buckets<K> (--ls-graph-buckets K), "
                          "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format), "
                          "ls_mem (all memory modes), ls_inv / ls_recompute / ls_logits (one of them)")

@@ -8,8 +8,7 @@ None is needed to install, train or translate: the defaults are what was measure
 - diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
 - user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY, LS_FAIRSEQ_SHARD_ADAM;
 - bug-report switches, each taking a part of lightseq-train back to the simpler path that is also its automatic
-  fallback, to tell a problem in that part from the rest: LS_FAIRSEQ_PLAIN_TRAINER, LS_FAIRSEQ_PADDED_GRAPHS,
-  LS_FAIRSEQ_SYNC_STEP,
+  fallback, to tell a problem in that part from the rest: LS_FAIRSEQ_PLAIN_TRAINER, LS_FAIRSEQ_SYNC_STEP,
   LS_FAIRSEQ_FP16_OPTIMIZER, LS_FAIRSEQ_SYNC_ALL_REDUCE, LS_FAIRSEQ_PEER_REDUCE, LS_FAIRSEQ_SHARD_P2P.
 
 Each is read when it is needed (not at import), so a test or a launcher may set it late.
@@ -79,11 +78,6 @@ def shard_adam():
 def plain_trainer() -> bool:
     """fairseq's Trainer unchanged in lightseq-train."""
     return _on("LS_FAIRSEQ_PLAIN_TRAINER")
-
-
-def padded_graphs() -> bool:
-    """The CUDA-graph step over padded shape buckets also in fp16 / bf16 (its default there: packed buckets)."""
-    return _on("LS_FAIRSEQ_PADDED_GRAPHS")
 
 
 def sync_step() -> bool:

@@ -48,7 +48,6 @@ from typing import Dict, Optional, Union
 import numpy as np
 import torch
 
-from ls_fairseq import env
 from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
 from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
@@ -121,7 +120,7 @@ class GraphStep:
     ``replay=False``: each batch is padded to its bucket and runs :func:`split_step` instead of the
     graphs (any device; the tests check the graph step's arithmetic with it on the CPU).
     ``packed``: packed buckets (the real tokens only); default: in fp16 / bf16 (the attention kernels over
-    packed sentences; fp32 has none with a right dropout backward), unless LS_FAIRSEQ_PADDED_GRAPHS=1."""
+    packed sentences; fp32 has none with a right dropout backward)."""
 
     def __init__(self, trainer, max_buckets: int = DEFAULT_BUCKETS, replay: bool = True,
                  packed: Optional[bool] = None):
@@ -130,7 +129,7 @@ class GraphStep:
         self.model = trainer._model
         if packed is None:
             dtype = next(self.model.parameters()).dtype
-            packed = dtype in (torch.float16, torch.bfloat16) and not env.padded_graphs()
+            packed = dtype in (torch.float16, torch.bfloat16)
         self.packed = bool(packed)
         self.criterion = trainer._criterion
         self.max_buckets = int(max_buckets)
