@@ -196,7 +196,7 @@ class GraphStep:
             return
         C = self.model.decoder.embed_tokens.embedding_dim
         n_in = max(sum(int(np.prod(s)) for _, s in self._shapes(b, self._max_rows(b))) for b in self.buckets)
-        n_feat = max(self._feat_rows(b) for b in self.buckets) * C
+        n_feat = max(int(np.prod(self._feat_shape(b, C))) for b in self.buckets)
         dev = self.trainer.device
         dtype = next(self.model.parameters()).dtype
         if self._dev_in is None or self._dev_in.numel() < n_in:
@@ -337,8 +337,9 @@ class GraphStep:
         return bucket.sentences * bucket.tgt_len
 
     @staticmethod
-    def _feat_rows(bucket) -> int:
-        return bucket.tgt_rows if isinstance(bucket, PackedBucket) else bucket.sentences * bucket.tgt_len
+    def _feat_shape(bucket, C: int):
+        """The shape of the decoder features the forward graph leaves (and the backward graph takes the gradient of)."""
+        return (1, bucket.tgt_rows, C) if isinstance(bucket, PackedBucket) else (bucket.sentences, bucket.tgt_len, C)
 
     def _views(self, bucket, n_rows: int):
         """Fixed views of the shared input buffer for ``bucket`` (:meth:`_shapes`)."""
@@ -369,7 +370,7 @@ class GraphStep:
     def _capture(self, bucket, views) -> Optional[_Graphs]:
         t0 = time.perf_counter()
         C = self.model.decoder.embed_tokens.embedding_dim
-        shape = (1, bucket.tgt_rows, C) if self.packed else (bucket.sentences, bucket.tgt_len, C)
+        shape = self._feat_shape(bucket, C)
         n = int(np.prod(shape))
         feats_out = self._feat_buf[:n].view(shape)
         grad_in = self._grad_buf[:n].view(shape)

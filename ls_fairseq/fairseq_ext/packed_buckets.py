@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ls_fairseq.fairseq_ext.shape_buckets import MAX_POINTS, merge_points
+from ls_fairseq.fairseq_ext.shape_buckets import distinct_points, merge_points
 
 ROW_ALIGN = 16  # rows per side: a multiple of this (tensor-core GEMM tiles, FP8 GEMM row counts)
 SENTENCE_ALIGN = 8
@@ -86,6 +86,10 @@ def _cost(a):
     return (a[..., 1] + a[..., 2]) * (1.0 + a[..., 3] * ATTENTION_WEIGHT)
 
 
+def _bucket_cost(src_rows: int, tgt_rows: int, max_len: int) -> float:
+    return float(_cost(np.array([0, src_rows, tgt_rows, max_len])))
+
+
 def plan_packed(points: np.ndarray, max_buckets: int) -> List[PackedBucket]:
     """At most ``max_buckets`` packed buckets holding every batch of ``points`` (:func:`batch_points`), sorted by
     cost (computed rows weighed by their attention length)."""
@@ -95,35 +99,23 @@ def plan_packed(points: np.ndarray, max_buckets: int) -> List[PackedBucket]:
     if len(pts) == 0:
         return []
     pts[:, 3] = [length_class(int(m)) for m in pts[:, 3]]
-    step = ROW_ALIGN
-    while True:  # the rows rounded up, coarser until few enough distinct points remain
-        q = pts.copy()
-        q[:, 1:3] = _up(q[:, 1:3], step)
-        u, w = np.unique(q, axis=0, return_counts=True)
-        if len(u) <= MAX_POINTS:
-            break
-        step *= 2
+    u, w = distinct_points(pts, slice(1, 3), ROW_ALIGN)  # the row counts rounded up
     kept = merge_points(u, w, max_buckets, _cost).astype(np.int64)
-    # the sentences each bucket needs (its batches' own plus their padding sentences), and the source rows
-    # that give every target padding sentence a source row; a batch goes to the cheapest bucket holding it
-    kept = sorted({(int(r[1]), int(r[2]), int(r[3])) for r in kept}, key=lambda r: _cost(np.array([0, *r])))
+    # each batch goes to the cheapest bucket holding its rows and length; a bucket then gets the source rows
+    # that give every target padding sentence of its batches a source row, and the sentences they need (their
+    # own plus their padding sentences)
+    kept = sorted({(int(r[1]), int(r[2]), int(r[3])) for r in kept}, key=lambda r: _bucket_cost(*r))
+    homes = [next(r for r in kept if s <= r[0] and t <= r[1] and L <= r[2]) for _, s, t, L in pts]
     src_rows = {r: r[0] for r in kept}
-    sentences = {r: 0 for r in kept}
-    for n, s, t, L in pts:
-        for r in kept:
-            if s <= r[0] and t <= r[1] and L <= r[2]:
-                src_rows[r] = max(src_rows[r], s + -(-(r[1] - t) // r[2]))
-                break
-    for r in kept:
-        src_rows[r] = _up(src_rows[r], ROW_ALIGN)
-    for n, s, t, L in pts:
-        for r in kept:
-            if s <= r[0] and t <= r[1] and L <= r[2]:
-                b = PackedBucket(0, src_rows[r], r[1], r[2])
-                sentences[r] = max(sentences[r], int(n) + b.padding_sentences(int(s), int(t)))
-                break
-    out = [PackedBucket(_up(max(sentences[r], 1), SENTENCE_ALIGN), src_rows[r], r[1], r[2]) for r in kept]
-    return sorted(out, key=lambda b: (_cost(np.array([0, b.src_rows, b.tgt_rows, b.max_len])), b.sentences))
+    for (_, s, t, _), r in zip(pts, homes):
+        src_rows[r] = max(src_rows[r], s + -(-(r[1] - t) // r[2]))
+    src_rows = {r: _up(v, ROW_ALIGN) for r, v in src_rows.items()}
+    sentences = {r: 1 for r in kept}
+    for (n, s, t, _), r in zip(pts, homes):
+        b = PackedBucket(0, src_rows[r], r[1], r[2])
+        sentences[r] = max(sentences[r], int(n) + b.padding_sentences(int(s), int(t)))
+    out = [PackedBucket(_up(sentences[r], SENTENCE_ALIGN), src_rows[r], r[1], r[2]) for r in kept]
+    return sorted(out, key=lambda b: (_bucket_cost(b.src_rows, b.tgt_rows, b.max_len), b.sentences))
 
 
 def choose_packed(buckets: Sequence[PackedBucket], sentences: int, src_tokens: int, tgt_tokens: int,

@@ -55,14 +55,13 @@ def _round_up(x, m):
     return (x + m - 1) // m * m
 
 
-def _distinct(shapes: np.ndarray):
-    """Distinct shapes and their counts; lengths rounded up to coarser multiples until at most
-    MAX_POINTS remain (very large corpora)."""
-    step = 1
+def distinct_points(shapes: np.ndarray, columns=slice(1, None), step: int = 1):
+    """Distinct shapes and their counts; the ``columns`` (lengths or token counts) rounded up to multiples
+    of ``step``, coarser ones until at most MAX_POINTS remain (very large corpora)."""
     while True:
         pts = shapes.copy()
         if step > 1:
-            pts[:, 1:] = _round_up(pts[:, 1:], step)
+            pts[:, columns] = _round_up(pts[:, columns], step)
         u, w = np.unique(pts, axis=0, return_counts=True)
         if len(u) <= MAX_POINTS:
             return u, w
@@ -107,7 +106,7 @@ def plan_buckets(shapes: np.ndarray, max_buckets: int) -> List[Bucket]:
     shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
     if len(shapes) == 0:
         return []
-    q, w = _distinct(shapes)
+    q, w = distinct_points(shapes)
     kept = merge_points(q, w, max_buckets, lambda a: a[..., 0] * (a[..., 1] + a[..., 2]))
     out = [Bucket(*(int(v) for v in s)) for s in kept]
     return sorted(out, key=lambda b: (b.tokens, b.sentences, b.src_len, b.tgt_len))
