@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from ls_fairseq.fairseq_ext.graph_step import buckets_by_use
-from ls_fairseq.fairseq_ext.packed_buckets import batch_points, choose_packed, plan_packed
+from ls_fairseq.fairseq_ext.packed_buckets import batch_points, choose_packed, packed_homes, plan_packed
 from ls_fairseq.fairseq_ext.shape_buckets import batch_shapes, choose, plan_buckets
 from test_graph_step import _wmt_like_shapes
 
@@ -22,10 +22,13 @@ def test_buckets_are_captured_ahead_most_used_first(packed):
         rows, fits = batch_shapes(batches, src, tgt), choose
         buckets = plan_buckets(rows, 16)
     used = Counter(fits(buckets, *map(int, r)) for r in rows)
-    order = buckets_by_use(buckets, rows, fits)
+    homes = packed_homes(buckets, rows) if packed else [buckets.index(fits(buckets, *map(int, r))) for r in rows]
+    if packed:  # the vectorised search finds the bucket choose_packed finds
+        assert [buckets[h] for h in homes] == [fits(buckets, *map(int, r)) for r in rows]
+    order = buckets_by_use(buckets, homes)
     assert None not in used and len(order) == len(used) > 1 and set(order) == set(used)
     counts = [used[b] for b in order]
     assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
     # a bucket no batch uses is never captured ahead
-    spare = buckets_by_use(buckets, rows[:3], fits)
+    spare = buckets_by_use(buckets, list(homes[:3]) + [-1])
     assert 1 <= len(spare) <= 3 and set(spare) <= set(order)

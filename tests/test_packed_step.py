@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ls_fairseq.fairseq_ext.packed_buckets import (PackedBucket, batch_points, choose_packed, length_class,
-                                                   packed_report, plan_packed)
+                                                   length_classes, packed_report, plan_packed)
+from ls_fairseq.fairseq_ext.shape_buckets import merge_points
 from test_graph_step import _model_and_criterion, _sample, _wmt_like_shapes, check_split_step_equals_the_criterion
 from _models import make_dict
 
@@ -19,9 +20,48 @@ def _points(max_tokens=4096):
 
 def test_batch_points_are_the_real_tokens_of_each_batch():
     pts, batches, src, tgt = _points()
-    assert len(pts) == len(batches)
-    b = np.asarray(batches[3])
-    assert pts[3].tolist() == [b.size, src[b].sum(), tgt[b].sum(), max(src[b].max(), tgt[b].max())]
+    assert len(pts) == len(batches) and pts.dtype == np.int64
+    for p, b in zip(pts, batches):
+        b = np.asarray(b)
+        assert p.tolist() == [b.size, src[b].sum(), tgt[b].sum(), max(src[b].max(), tgt[b].max())]
+    # empty batches are left out; lists of indices work as well as arrays
+    some = [[], list(map(int, batches[3])), np.array([], dtype=np.int64), batches[5]]
+    assert batch_points(some, src, tgt).tolist() == pts[[3, 5]].tolist()
+    assert batch_points([[]], src, tgt).shape == (0, 4)
+
+
+def _plain_merge(q, w, max_buckets, cost):
+    """The greedy merge of merge_points, the plain way: the whole matrix searched at every merge."""
+    q, w = q.astype(np.float64).copy(), w.astype(np.float64).copy()
+    alive = np.ones(len(q), dtype=bool)
+    own = w * cost(q)
+    delta = (w[:, None] + w[None, :]) * cost(np.maximum(q[:, None], q[None, :])) - own[:, None] - own[None, :]
+    np.fill_diagonal(delta, np.inf)
+    for _ in range(len(q) - max_buckets):
+        i, j = divmod(int(np.argmin(delta)), len(q))
+        q[i], w[i], alive[j] = np.maximum(q[i], q[j]), w[i] + w[j], False
+        own[i] = w[i] * cost(q[i])
+        row = (w[i] + w) * cost(np.maximum(q[i], q)) - own[i] - own
+        row[~alive] = row[i] = np.inf
+        delta[j, :] = delta[:, j] = np.inf
+        delta[i, :] = delta[:, i] = row
+    return q[alive]
+
+
+@pytest.mark.parametrize("cost", [lambda a: (a[..., 1] + a[..., 2]) * (1.0 + a[..., 3] / 1024),  # the planners'
+                                  lambda a: a[..., 0] * (a[..., 1] + a[..., 2]),
+                                  lambda a: a.sum(-1),  # many ties
+                                  lambda a: (a[..., 0] / 3 + a[..., 1] * 0.1) * np.sqrt(a[..., 2] + 0.7)])
+def test_merge_points_equals_the_plain_greedy_merge(cost):
+    """The same points in the same order, ties included (the first pair in the matrix row by row)."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        n = int(rng.integers(1, 80))
+        q = rng.integers(0, (3, 20, 1000)[trial % 3], (n, 4)).astype(np.float64)
+        w = rng.integers(1, 5, n) if trial % 2 else rng.random(n) * 3
+        for k in sorted({1, 2, max(1, n // 3), n, n + 1}):
+            ours = merge_points(q, w, k, cost)
+            assert ours.shape == (min(n, k), 4) and np.array_equal(ours, _plain_merge(q, w, k, cost)), (trial, k)
 
 
 @pytest.mark.parametrize("k", [1, 8, 64])
@@ -39,6 +79,19 @@ def test_plan_holds_every_batch_and_computes_few_extra_rows(k):
         assert 0 < extra < 0.05 and 0 < extra_tgt < 0.06, (extra, extra_tgt)
 
 
+def test_packed_report_counts_each_batch_in_the_bucket_choose_packed_gives_it():
+    pts, *_ = _points()
+    for plan in (plan_packed(pts, 8), plan_packed(pts[::3], 8), plan_packed(pts[:4], 3), []):
+        real = real_t = rows = rows_t = missing = 0
+        for n, s, t, m in pts.tolist():
+            b = choose_packed(plan, n, s, t, m)
+            missing += b is None
+            real, real_t = real + s + t, real_t + t
+            rows, rows_t = rows + (s + t if b is None else b.tokens), rows_t + (t if b is None else b.tgt_rows)
+        assert packed_report(plan, pts) == (rows / real - 1.0, rows_t / real_t - 1.0, missing)
+    assert packed_report(plan_packed(pts[::3], 8), pts)[2] > 0  # some batches fit none of those
+
+
 def test_plan_keeps_short_sentences_out_of_long_buckets():
     """Batches of short sentences go to buckets sized for short attention (the kernels' own classes),
     not to a bucket of 200-token sentences with the same row count."""
@@ -51,6 +104,8 @@ def test_plan_keeps_short_sentences_out_of_long_buckets():
 def test_length_classes():
     assert [length_class(n) for n in (1, 32, 33, 64, 65, 128, 129, 256, 257)] == [32, 32, 64, 64, 128, 128, 256,
                                                                                    256, 384]
+    n = np.arange(1, 1000)
+    assert length_classes(n).tolist() == [length_class(int(v)) for v in n]
 
 
 def test_a_bucket_holds_a_batch_only_with_room_for_its_padding_sentences():

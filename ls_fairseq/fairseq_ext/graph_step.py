@@ -54,7 +54,8 @@ import numpy as np
 import torch
 
 from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
-from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
+from ls_fairseq.fairseq_ext.packed_buckets import (PackedBucket, batch_points, choose_packed, packed_homes,
+                                                   packed_report, plan_packed)
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
 from ls_fairseq.fairseq_ext.split_step import (PACKED_KEYS, body, body_packed, head, logging_output, pack_sample,
                                                packed_inputs, packing_shape, padded_inputs, split_step)
@@ -107,15 +108,12 @@ def unsupported_reason(trainer) -> Optional[str]:
     return None
 
 
-def buckets_by_use(buckets, batches, choose_bucket) -> list:
-    """The buckets that ``batches`` (rows of batch points or shapes) use, the most used first (ties: the plan's
-    order); ``choose_bucket(buckets, *row)`` finds a batch's bucket."""
-    uses = {b: 0 for b in buckets}
-    for row in np.asarray(batches, dtype=np.int64).reshape(len(batches), -1).tolist():
-        b = choose_bucket(buckets, *row)
-        if b is not None:
-            uses[b] += 1
-    return sorted((b for b in buckets if uses[b] > 0), key=lambda b: -uses[b])
+def buckets_by_use(buckets, homes) -> list:
+    """The buckets the epoch's batches use, the most used first (ties: the plan's order); ``homes``: each batch's
+    bucket as an index into ``buckets`` (-1: none)."""
+    uses = np.bincount(np.asarray(homes, dtype=np.int64)[np.asarray(homes) >= 0], minlength=len(buckets))
+    order = sorted(range(len(buckets)), key=lambda i: -uses[i])
+    return [buckets[i] for i in order if uses[i] > 0]
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -205,8 +203,12 @@ class GraphStep:
                         "positions computed than fairseq's batches (%.1f%% more target positions; planned in "
                         "%.2f s)", len(self.buckets), len(shapes), distinct, 100 * extra, 100 * extra_tgt,
                         time.perf_counter() - t0)
-        self._ahead = (buckets_by_use(self.buckets, points, choose_packed) if self.packed
-                       else buckets_by_use(self.buckets, shapes, choose))
+        if self.packed:
+            homes = packed_homes(self.buckets, points)
+        else:
+            index = {b: i for i, b in enumerate(self.buckets)}
+            homes = [index.get(choose(self.buckets, *map(int, x)), -1) for x in shapes]
+        self._ahead = buckets_by_use(self.buckets, homes)
         self._alloc_shared()
 
     def _alloc_shared(self):

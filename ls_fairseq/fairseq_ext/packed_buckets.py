@@ -40,6 +40,14 @@ def length_class(n: int) -> int:
     return -(-n // LONG_STEP) * LONG_STEP
 
 
+def length_classes(n: np.ndarray) -> np.ndarray:
+    """:func:`length_class` of every entry of the int array ``n``."""
+    out = _up(n, LONG_STEP)
+    for c in reversed(LENGTH_CLASSES):
+        out = np.where(n <= c, c, out)
+    return out
+
+
 def _up(x, m):
     return -(-x // m) * m
 
@@ -70,16 +78,19 @@ class PackedBucket:
 
 
 def batch_points(batches: Sequence[Sequence[int]], src_sizes, tgt_sizes) -> np.ndarray:
-    """(sentences, source tokens, target tokens, longest sentence on either side) of every batch: int64 [n, 4]."""
+    """(sentences, source tokens, target tokens, longest sentence on either side) of every batch that is not
+    empty: int64 [n, 4]."""
     src_sizes = np.asarray(src_sizes, dtype=np.int64)
     tgt_sizes = np.asarray(tgt_sizes, dtype=np.int64)
-    out = np.zeros((len(batches), 4), dtype=np.int64)
-    for i, b in enumerate(batches):
-        b = np.asarray(b, dtype=np.int64)
-        if b.size:
-            s, t = src_sizes[b], tgt_sizes[b]
-            out[i] = (b.size, s.sum(), t.sum(), max(s.max(), t.max()))
-    return out[out[:, 0] > 0]
+    batches = [b for b in batches if len(b)]
+    if not batches:
+        return np.zeros((0, 4), dtype=np.int64)
+    sentences = np.array([len(b) for b in batches], dtype=np.int64)
+    starts = np.cumsum(sentences) - sentences
+    idx = np.concatenate(batches).astype(np.int64, copy=False)  # every batch's indices, one after the other
+    s, t = src_sizes[idx], tgt_sizes[idx]
+    longest = np.maximum.reduceat(np.maximum(s, t), starts)
+    return np.stack([sentences, np.add.reduceat(s, starts), np.add.reduceat(t, starts), longest], axis=1)
 
 
 def _cost(a):
@@ -90,6 +101,15 @@ def _bucket_cost(src_rows: int, tgt_rows: int, max_len: int) -> float:
     return float(_cost(np.array([0, src_rows, tgt_rows, max_len])))
 
 
+def _holding(buckets: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """Which of the ``buckets`` (int [k, 4]: sentences, source rows, target rows, attention length) hold which
+    of the ``points`` (int [n, 4]), as :meth:`PackedBucket.holds`: bool [n, k]."""
+    n, s, t, m = (points[:, c, None] for c in range(4))
+    B, S, T, L = buckets.T
+    pad_s, pad_t = -(-(S - s) // L), -(-(T - t) // L)  # the padding sentences each side's free rows need
+    return (m <= L) & (s <= S) & (t <= T) & (S - s >= pad_t) & (n + np.maximum(pad_s, pad_t) <= B)
+
+
 def plan_packed(points: np.ndarray, max_buckets: int) -> List[PackedBucket]:
     """At most ``max_buckets`` packed buckets holding every batch of ``points`` (:func:`batch_points`), sorted by
     cost (computed rows weighed by their attention length)."""
@@ -98,23 +118,25 @@ def plan_packed(points: np.ndarray, max_buckets: int) -> List[PackedBucket]:
     pts = np.asarray(points, dtype=np.int64).reshape(-1, 4).copy()
     if len(pts) == 0:
         return []
-    pts[:, 3] = [length_class(int(m)) for m in pts[:, 3]]
+    pts[:, 3] = length_classes(pts[:, 3])
     u, w = distinct_points(pts, slice(1, 3), ROW_ALIGN)  # the row counts rounded up
     kept = merge_points(u, w, max_buckets, _cost).astype(np.int64)
     # each batch goes to the cheapest bucket holding its rows and length; a bucket then gets the source rows
     # that give every target padding sentence of its batches a source row, and the sentences they need (their
     # own plus their padding sentences)
     kept = sorted({(int(r[1]), int(r[2]), int(r[3])) for r in kept}, key=lambda r: _bucket_cost(*r))
-    homes = [next(r for r in kept if s <= r[0] and t <= r[1] and L <= r[2]) for _, s, t, L in pts]
-    src_rows = {r: r[0] for r in kept}
-    for (_, s, t, _), r in zip(pts, homes):
-        src_rows[r] = max(src_rows[r], s + -(-(r[1] - t) // r[2]))
-    src_rows = {r: _up(v, ROW_ALIGN) for r, v in src_rows.items()}
-    sentences = {r: 1 for r in kept}
-    for (n, s, t, _), r in zip(pts, homes):
-        b = PackedBucket(0, src_rows[r], r[1], r[2])
-        sentences[r] = max(sentences[r], int(n) + b.padding_sentences(int(s), int(t)))
-    out = [PackedBucket(_up(sentences[r], SENTENCE_ALIGN), src_rows[r], r[1], r[2]) for r in kept]
+    S, T, L = np.array(kept, dtype=np.int64).T
+    n, s, t, m = pts.T
+    home = ((s[:, None] <= S) & (t[:, None] <= T) & (m[:, None] <= L)).argmax(axis=1)  # the first that holds it
+    T_home, L_home = T[home], L[home]
+    src_rows = S.copy()
+    np.maximum.at(src_rows, home, s + -(-(T_home - t) // L_home))
+    src_rows = _up(src_rows, ROW_ALIGN)
+    sentences = np.ones(len(kept), dtype=np.int64)
+    padding = np.maximum(-(-(src_rows[home] - s) // L_home), -(-(T_home - t) // L_home))
+    np.maximum.at(sentences, home, n + padding)
+    out = [PackedBucket(int(_up(b, SENTENCE_ALIGN)), int(sr), r[1], r[2])
+           for b, sr, r in zip(sentences, src_rows, kept)]
     return sorted(out, key=lambda b: (_bucket_cost(b.src_rows, b.tgt_rows, b.max_len), b.sentences))
 
 
@@ -127,20 +149,25 @@ def choose_packed(buckets: Sequence[PackedBucket], sentences: int, src_tokens: i
     return None
 
 
+def packed_homes(buckets: Sequence[PackedBucket], points: np.ndarray) -> np.ndarray:
+    """The index in ``buckets`` of the bucket :func:`choose_packed` gives each of the batches ``points`` (the
+    first that holds it), -1 where none does: int [n]."""
+    pts = np.asarray(points, dtype=np.int64).reshape(-1, 4)
+    B = np.array([(b.sentences, b.src_rows, b.tgt_rows, b.max_len) for b in buckets], dtype=np.int64).reshape(-1, 4)
+    holding = _holding(B, pts)
+    return np.where(holding.any(axis=1), holding.argmax(axis=1), -1) if len(B) else np.full(len(pts), -1)
+
+
 def packed_report(buckets: Sequence[PackedBucket], points: np.ndarray) -> Tuple[float, float, int]:
     """(extra rows computed over the real tokens, the same for the target side, as fractions; batches fitting
-    no bucket) for the batches ``points``."""
-    real = real_t = rows = rows_t = 0
-    missing = 0
-    for n, s, t, m in np.asarray(points, dtype=np.int64).reshape(-1, 4):
-        b = choose_packed(buckets, int(n), int(s), int(t), int(m))
-        real += int(s + t)
-        real_t += int(t)
-        if b is None:
-            missing += 1
-            rows += int(s + t)
-            rows_t += int(t)
-        else:
-            rows += b.tokens
-            rows_t += b.tgt_rows
-    return rows / max(real, 1) - 1.0, rows_t / max(real_t, 1) - 1.0, missing
+    no bucket) for the batches ``points``, each in the bucket :func:`choose_packed` gives it."""
+    pts = np.asarray(points, dtype=np.int64).reshape(-1, 4)
+    B = np.array([(b.sentences, b.src_rows, b.tgt_rows, b.max_len) for b in buckets], dtype=np.int64).reshape(-1, 4)
+    homes = packed_homes(buckets, pts)
+    held = homes >= 0
+    home = B[np.maximum(homes, 0)] if len(B) else np.zeros_like(pts)  # the first bucket holding each batch
+    s, t = pts[:, 1], pts[:, 2]
+    rows_t = np.where(held, home[:, 2], t)  # a batch fitting no bucket counts its own rows
+    rows = np.where(held, home[:, 1], s) + rows_t
+    real, real_t = int((s + t).sum()), int(t.sum())
+    return int(rows.sum()) / max(real, 1) - 1.0, int(rows_t.sum()) / max(real_t, 1) - 1.0, int((~held).sum())

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 MAX_POINTS = 1500  # distinct shapes the merge starts from (quadratic memory): coarser lengths beyond
+_MERGE_ROWS = 32  # rows of the merge's cost matrix computed at a time
 
 
 @dataclass(frozen=True)
@@ -71,29 +72,51 @@ def distinct_points(shapes: np.ndarray, columns=slice(1, None), step: int = 1):
 def merge_points(q: np.ndarray, w: np.ndarray, max_buckets: int, cost) -> np.ndarray:
     """Greedy merge of the points ``q`` (float [n, d], weights ``w`` [n]) down to ``max_buckets``: repeatedly
     the two whose merge (their element-wise maximum) adds the least ``w * cost(point)`` summed over the
-    points. ``cost`` maps [..., d] to [...]. Returns the surviving points [<= max_buckets, d]."""
-    q = q.astype(np.float64).copy()
+    points. ``cost`` maps [..., d] to [...] point by point. Returns the surviving points [<= max_buckets, d].
+
+    The added costs of all pairs are kept in a matrix; each merge takes its smallest entry (on a tie, the first
+    row by row), and the point of its row takes in the point of its column. Each row also keeps its smallest
+    entry and that entry's first column, so that a merge searches again only the rows whose smallest entry was
+    in the column of one of the two points."""
+    q = np.array(q, dtype=np.float64, order="F")  # each column contiguous: cost reads them one at a time
     w = w.astype(np.float64).copy()
-    alive = np.ones(len(q), dtype=bool)
-    own = w * cost(q)
-    merged = np.maximum(q[:, None, :], q[None, :, :])
-    delta = (w[:, None] + w[None, :]) * cost(merged) - own[:, None] - own[None, :]
-    del merged
-    np.fill_diagonal(delta, np.inf)
     n = len(q)
+    if n <= max_buckets:
+        return q
+    alive = np.ones(n, dtype=bool)
+    own = w * cost(q)  # each point's cost; a merged-away point's is -inf, so that its entries are +inf
+    delta = np.empty((n, n))
+    for a in range(0, n, _MERGE_ROWS):  # a block of rows at a time: the [rows, n, d] maxima stay small
+        b = min(a + _MERGE_ROWS, n)
+        merged = np.maximum(q.T[:, a:b, None], q.T[:, None, :]).transpose(1, 2, 0)
+        delta[a:b] = (w[a:b, None] + w[None, :]) * cost(merged) - own[a:b, None] - own[None, :]
+    np.fill_diagonal(delta, np.inf)
+    best = delta.argmin(axis=1)  # each row's smallest entry: its first column (-1: a merged-away point), its value
+    best_cost = delta[np.arange(n), best]
     while n > max_buckets:
-        i, j = divmod(int(np.argmin(delta)), delta.shape[1])
+        i = int(best_cost.argmin())  # the first row holding the matrix's smallest entry
+        j = int(best[i])
         q[i] = np.maximum(q[i], q[j])
         w[i] += w[j]
-        own[i] = w[i] * cost(q[i])
         alive[j] = False
-        delta[j, :] = np.inf
-        delta[:, j] = np.inf
-        row = (w[i] + w) * cost(np.maximum(q[i][None, :], q)) - own[i] - own
-        row[~alive] = np.inf
+        own[j] = -np.inf
+        c = cost(np.maximum(q[i], q))
+        own[i] = w[i] * c[i]
+        row = (w[i] + w) * c - own[i] - own
         row[i] = np.inf
+        delta[:, j] = np.inf  # row j is never read again
         delta[i, :] = row
         delta[:, i] = row
+        best[j] = -1
+        best_cost[j] = np.inf
+        # the rows whose smallest entry was in column i or j (row i among them) are searched again; the others
+        # compare it with their new entry in column i
+        again = ((best == i) | (best == j)).nonzero()[0]
+        lower = (row < best_cost) | ((row == best_cost) & (best > i))
+        best[lower] = i
+        best_cost[lower] = row[lower]
+        best[again] = delta[again].argmin(axis=1)
+        best_cost[again] = delta[again, best[again]]
         n -= 1
     return q[alive]
 
