@@ -219,11 +219,6 @@ class DeferredStepMixin:
         # learning rate, the step count and the loss scale that depend on it
         if timer is not None:
             timer.host_mark("gradient reduction")
-        if graphs is not None:  # the host is ahead of the GPU: a bucket's capture costs no GPU time here
-            pending = self.__dict__.get("_ls_pending")
-            graphs.capture_ahead(opt, None if pending is None else pending.event)
-            if timer is not None:
-                timer.host_mark("captures ahead")
         self._ls_resolve(in_step=True)
         if timer is not None:
             timer.host_mark("settle the previous update")

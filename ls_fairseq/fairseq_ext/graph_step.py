@@ -37,13 +37,8 @@ is replayed (:meth:`GraphStep.begin_update`).
 All graphs share one memory pool: the activations a forward saves live until its backward has
 run, so the pool holds about one micro-batch's activations whatever the number of buckets. The
 graphs are captured on a bucket's first batch after a short eager warm-up (library handles,
-kernel attributes), or earlier, while the GPU is busy: a capture is host work (tracing the body's
-forward and backward, about as long as an eager step's launches), and on a bucket's first batch the GPU
-would wait for it. So during an update, where the host would wait for the previous update to finish
-(:meth:`GraphStep.capture_ahead`), it captures the most used bucket not captured yet instead, one per
-update and only while the GPU still has queued work. A capture changes no numbers (it runs no
-kernel and draws no random numbers), so where a bucket is captured does not change training.
-:class:`GraphStep` says once in the log why a run or a batch takes the eager step instead.
+kernel attributes); :class:`GraphStep` says once in the log why a run or a batch takes the eager
+step instead.
 """
 
 import logging
@@ -54,8 +49,7 @@ import numpy as np
 import torch
 
 from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
-from ls_fairseq.fairseq_ext.packed_buckets import (PackedBucket, batch_points, choose_packed, packed_homes,
-                                                   packed_report, plan_packed)
+from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
 from ls_fairseq.fairseq_ext.split_step import (PACKED_KEYS, body, body_packed, head, logging_output, pack_sample,
                                                packed_inputs, packing_shape, padded_inputs, split_step)
@@ -108,14 +102,6 @@ def unsupported_reason(trainer) -> Optional[str]:
     return None
 
 
-def buckets_by_use(buckets, homes) -> list:
-    """The buckets the epoch's batches use, the most used first (ties: the plan's order); ``homes``: each batch's
-    bucket as an index into ``buckets`` (-1: none)."""
-    uses = np.bincount(np.asarray(homes, dtype=np.int64)[np.asarray(homes) >= 0], minlength=len(buckets))
-    order = sorted(range(len(buckets)), key=lambda i: -uses[i])
-    return [buckets[i] for i in order if uses[i] > 0]
-
-
 # ----------------------------------------------------------------------------- the engine
 class _Graphs:
     """One bucket's captured forward and backward and the views they read and write. The backward
@@ -158,8 +144,6 @@ class GraphStep:
         self.disabled = None  # why graphs were turned off for the rest of the run
         self._said = set()
         self.counts = {"graph": 0, "eager": 0}
-        self._ahead = []  # buckets not captured yet, the most used first (capture_ahead takes them in turn)
-        self.captured_ahead = 0
         self.capture_seconds = 0.0
         # host seconds of the captures by part: tracing the forward / the backward (Python and autograd running
         # under capture), instantiating those two graphs, and the gradient writes' two small graphs
@@ -203,12 +187,6 @@ class GraphStep:
                         "positions computed than fairseq's batches (%.1f%% more target positions; planned in "
                         "%.2f s)", len(self.buckets), len(shapes), distinct, 100 * extra, 100 * extra_tgt,
                         time.perf_counter() - t0)
-        if self.packed:
-            homes = packed_homes(self.buckets, points)
-        else:
-            index = {b: i for i, b in enumerate(self.buckets)}
-            homes = [index.get(choose(self.buckets, *map(int, x)), -1) for x in shapes]
-        self._ahead = buckets_by_use(self.buckets, homes)
         self._alloc_shared()
 
     def _alloc_shared(self):
@@ -321,28 +299,6 @@ class GraphStep:
         # stream) alive into the next capture, whose backward would then wait on this stream
         loss, nll = loss.detach(), nll.detach()
         return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
-
-    def capture_ahead(self, optimizer, busy) -> bool:
-        """Capture the most used bucket that has no graphs yet, if the GPU is still busy with earlier work
-        (``busy``: a CUDA event recorded after it, not yet reached) and this update has taken the graphs
-        (their buffers are this optimizer's). Called once per update where the host would otherwise wait for
-        the GPU; returns whether it captured. The capture runs no kernel and changes no state training reads:
-        the parameters' gradients are the flat buffers' views again afterwards, and the inputs it records
-        are the shared buffers that each batch fills before its replay."""
-        if (not self._ahead or not self.replay or self.disabled is not None or busy is None or busy.query()
-                or self.trainer.data_parallel_world_size > 1 or not self.grads.attached()
-                or self._dev_in is None or self.__dict__.get("_key") is None
-                or self._buffers_key(optimizer) != self._key):
-            return False
-        while self._ahead and self._ahead[0] in self.graphs:
-            self._ahead.pop(0)
-        if not self._ahead:
-            return False
-        bucket = self._ahead.pop(0)
-        if self._capture(bucket, self._views(bucket, 0)) is None:
-            return False
-        self.captured_ahead += 1
-        return True
 
     # ------------------------------------------------------------------ buffers
     @staticmethod
@@ -487,9 +443,9 @@ class GraphStep:
             return
         self._summarised = seen
         parts = ", ".join(f"{v:.1f} s {k}" for k, v in self.capture_parts.items())
-        logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%d of them while the GPU was "
-                    "busy; %.1f s capturing: %s), %d batches fitting no bucket", self.counts["graph"],
-                    len(self.graphs), self.captured_ahead, self.capture_seconds, parts, self.counts["eager"])
+        logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%.1f s capturing: %s), %d "
+                    "batches fitting no bucket", self.counts["graph"], len(self.graphs), self.capture_seconds,
+                    parts, self.counts["eager"])
 
     def close(self) -> None:
         """Log the summary and release the graphs and their pool while CUDA is still up (at exit)."""
