@@ -149,23 +149,14 @@ def choose_packed(buckets: Sequence[PackedBucket], sentences: int, src_tokens: i
     return None
 
 
-def packed_homes(buckets: Sequence[PackedBucket], points: np.ndarray) -> np.ndarray:
-    """The index in ``buckets`` of the bucket :func:`choose_packed` gives each of the batches ``points`` (the
-    first that holds it), -1 where none does: int [n]."""
-    pts = np.asarray(points, dtype=np.int64).reshape(-1, 4)
-    B = np.array([(b.sentences, b.src_rows, b.tgt_rows, b.max_len) for b in buckets], dtype=np.int64).reshape(-1, 4)
-    holding = _holding(B, pts)
-    return np.where(holding.any(axis=1), holding.argmax(axis=1), -1) if len(B) else np.full(len(pts), -1)
-
-
 def packed_report(buckets: Sequence[PackedBucket], points: np.ndarray) -> Tuple[float, float, int]:
     """(extra rows computed over the real tokens, the same for the target side, as fractions; batches fitting
     no bucket) for the batches ``points``, each in the bucket :func:`choose_packed` gives it."""
     pts = np.asarray(points, dtype=np.int64).reshape(-1, 4)
     B = np.array([(b.sentences, b.src_rows, b.tgt_rows, b.max_len) for b in buckets], dtype=np.int64).reshape(-1, 4)
-    homes = packed_homes(buckets, pts)
-    held = homes >= 0
-    home = B[np.maximum(homes, 0)] if len(B) else np.zeros_like(pts)  # the first bucket holding each batch
+    holding = _holding(B, pts)
+    held = holding.any(axis=1)
+    home = B[holding.argmax(axis=1)] if len(B) else np.zeros_like(pts)  # the first bucket holding each batch
     s, t = pts[:, 1], pts[:, 2]
     rows_t = np.where(held, home[:, 2], t)  # a batch fitting no bucket counts its own rows
     rows = np.where(held, home[:, 1], s) + rows_t
