@@ -29,6 +29,7 @@ from ls_fairseq.ops.attention import _split_reference, merge_heads_reference  # 
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_reference  # noqa: E402
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual_reference  # noqa: E402
 from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_reference  # noqa: E402
+from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad  # noqa: E402
 from ls_fairseq.ops.embedding import embedding_reference  # noqa: E402
 from ls_fairseq.ops.layer_norm import add_layer_norm_reference, layer_norm_reference  # noqa: E402
 
@@ -141,6 +142,13 @@ def cases(N, dt):
     one = torch.ones((), device=dev)
     out.append(("label_smoothed_ce V=32000", 3 * N * V * e,
                 lambda f: fwd_bwd(lambda: f(logits), [logits], [one, None]), ce, ce_ref))
+    # loss and gradient in one kernel, written over the logits (the references: autograd as above); the buffer
+    # holds gradients after the first call, which does not change the time
+    buf = r(N, V) * 2
+    ce_wg = lambda lg: label_smoothed_cross_entropy_with_grad(lg, tgt, 0.1, 1)  # noqa: E731
+    out.append(("label_smoothed_ce_with_grad V=32000", 2 * N * V * e,
+                lambda f: (lambda: f(buf)) if f is ce_wg else fwd_bwd(lambda: f(logits), [logits], [one, None]),
+                ce_wg, ce_ref))
     return out
 
 

@@ -21,7 +21,8 @@ BUILDS = {
     "ls_fairseq_cpp_nodes_test": ([os.path.join("tests", "cpp", "stand_in_adapters.cpp"),
                                    os.path.join("tests", "cpp", "nodes_module.cpp"),
                                    os.path.join("csrc", "torch", "autograd.cpp"),
-                                   os.path.join("csrc", "torch", "layers.cpp")], ["-O0"]),
+                                   os.path.join("csrc", "torch", "layers.cpp"),
+                                   os.path.join("csrc", "torch", "weight_grads.cpp")], ["-O0"]),
     "ls_fairseq_grad_buckets_test": ([os.path.join("tests", "cpp", "grad_buckets_module.cpp"),
                                       os.path.join("csrc", "torch", "grad_buckets.cpp")], []),
 }

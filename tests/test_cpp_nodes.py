@@ -189,6 +189,66 @@ def test_linear_node(nodes):
         nodes.ag_linear(X, torch.randn(8, 15))
 
 
+def test_weight_gradient_sinks(nodes):
+    """While sinks are set (the CUDA-graph step's captured backward), the linear nodes write the weight gradient
+    into the named place (overwrite, or add in accumulate mode; a weight used twice is added to the second time)
+    and hand autograd none; the input's and the bias's gradients are unchanged; take_weight_grad_sinks names the
+    parameters written so and turns the sinks off."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(24, 16, generator=gen, dtype=torch.float64).requires_grad_(True)
+    w2 = torch.randn(16, 24, generator=gen, dtype=torch.float64).requires_grad_(True)
+    b = torch.randn(24, generator=gen, dtype=torch.float64).requires_grad_(True)
+    x = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64).requires_grad_(True)
+    gy = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+
+    def net(lin):
+        return lin(torch.relu(lin(x, w, b)), w2, None)
+
+    ref = torch.autograd.grad((net(lambda a, m, c: F.linear(a, m, c)) * gy).sum(), [x, w, w2, b])
+    flat = torch.full((24 * 16 + 16 * 24,), 7.0, dtype=torch.float64)
+    dw, dw2 = flat[:384].view(24, 16), flat[384:].view(16, 24)
+    nodes.set_weight_grad_sinks([w, w2], [dw, dw2], False)
+    (net(nodes.ag_linear) * gy).sum().backward()
+    assert sorted(nodes.take_weight_grad_sinks()) == sorted([w.data_ptr(), w2.data_ptr()])
+    assert w.grad is None and w2.grad is None  # written into the sinks, not handed to autograd
+    torch.testing.assert_close(dw, ref[1])
+    torch.testing.assert_close(dw2, ref[2])
+    torch.testing.assert_close(x.grad, ref[0])
+    torch.testing.assert_close(b.grad, ref[3])
+    # accumulate: added to what the sink holds; only the weights named get sinks
+    x.grad = b.grad = None
+    nodes.set_weight_grad_sinks([w], [dw], True)
+    (net(nodes.ag_linear) * gy).sum().backward()
+    assert nodes.take_weight_grad_sinks() == [w.data_ptr()]
+    torch.testing.assert_close(dw, 2 * ref[1])
+    torch.testing.assert_close(w2.grad, ref[2])
+    # a weight used twice, overwrite mode: the first use overwrites, the second adds
+    wt = torch.randn(16, 16, generator=gen, dtype=torch.float64).requires_grad_(True)
+    (want,) = torch.autograd.grad((F.linear(F.linear(x, wt), wt) * gy).sum(), [wt])
+    dwt = torch.full((16, 16), 5.0, dtype=torch.float64)
+    nodes.set_weight_grad_sinks([wt], [dwt], False)
+    (nodes.ag_linear(nodes.ag_linear(x, wt), wt) * gy).sum().backward()
+    assert nodes.take_weight_grad_sinks() == [wt.data_ptr()]
+    torch.testing.assert_close(dwt, want)
+    # the activation + linear node (its weight) too
+    wa = torch.randn(16, 16, generator=gen, dtype=torch.float64).requires_grad_(True)
+    (want,) = torch.autograd.grad((F.linear(torch.relu(x + 0.5), wa) * gy).sum(), [wa])
+    dwa = torch.zeros(16, 16, dtype=torch.float64)
+    nodes.set_weight_grad_sinks([wa], [dwa], False)
+    (nodes.ag_bias_act_linear(x, torch.full((16,), 0.5, dtype=torch.float64), wa, "relu", 0.0)[0] * gy).sum().backward()
+    assert nodes.take_weight_grad_sinks() == [wa.data_ptr()]
+    torch.testing.assert_close(dwa, want)
+    # no sinks any more: autograd gets the gradient again
+    (nodes.ag_linear(x, wa) * gy).sum().backward()
+    assert wa.grad is not None and nodes.take_weight_grad_sinks() == []
+    # a sink that cannot take the product (another dtype) is refused when it is named
+    with pytest.raises(Exception, match="does not match parameter"):
+        nodes.set_weight_grad_sinks([w], [dw.float()], False)
+    with pytest.raises(Exception, match="2 parameters but 1 destinations"):
+        nodes.set_weight_grad_sinks([w, w2], [dw], False)
+    assert nodes.take_weight_grad_sinks() == []
+
+
 # ---- whole layers (csrc/torch/layers.cpp) against the Python layers of ls_fairseq/modules ---------------------
 # On the CPU the Python layers run the PyTorch references, so this checks that the C++ layer strings the same
 # computation together (blocks, residuals, layer-norm placement, masks, the cross-attention inputs) and that

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, pad_batch, plan_buckets, plan_report
 from tests._models import build_model, make_dict
 
@@ -119,9 +120,25 @@ def test_split_step_on_a_padded_batch_equals_the_criterion_on_the_batch(bucket, 
     check_split_step_equals_the_criterion(bucket, normalize_before)
 
 
-def check_split_step_equals_the_criterion(bucket, normalize_before):
+class _ScaledBackward:
+    """The deferred step's view of the optimizer as the head sees it: the head computes its backward itself
+    (``backward_by``) with this loss scale."""
+
+    def __init__(self, scale):
+        self.scale, self.calls = scale, 0
+
+    def backward_by(self, run):
+        self.calls += 1
+        return run(self.scale)
+
+    def backward(self, loss):
+        raise AssertionError("the head must not take autograd's backward here")
+
+
+def check_split_step_equals_the_criterion(bucket, normalize_before, scale="autograd"):
     """split_step over ``bucket`` (padded or packed) gives the criterion's loss, statistics and gradients on the
-    batch as it came (fp64)."""
+    batch as it came (fp64). ``scale``: "autograd" (the head through autograd), or the loss scale (None or a
+    number) of the head's own backward (the trainer's deferred step, gradients attached beforehand)."""
     from ls_fairseq.fairseq_ext.graph_step import split_step
 
     d = make_dict()
@@ -132,8 +149,16 @@ def check_split_step_equals_the_criterion(bucket, normalize_before):
     loss.backward()
     ref = _grads(m)
     m.zero_grad()
-    loss2, size2, log2 = split_step(m, crit, sample, bucket, d.pad(), d.eos())
+    opt = None
+    if scale != "autograd":
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.0)
+        opt = _ScaledBackward(None if scale is None else torch.tensor(float(scale), dtype=torch.float64))
+    loss2, size2, log2 = split_step(m, crit, sample, bucket, d.pad(), d.eos(), optimizer=opt)
     got = _grads(m)
+    if opt is not None:
+        assert opt.calls == 1
+        got = {k: v / (1.0 if scale is None else scale) for k, v in got.items()}
     assert size2 == size == sample["ntokens"]
     assert log2["nsentences"] == 3 and log2["ntokens"] == sample["ntokens"] and log2["sample_size"] == size
     torch.testing.assert_close(log2["loss"], log["loss"], rtol=1e-12, atol=1e-12)
@@ -141,6 +166,14 @@ def check_split_step_equals_the_criterion(bucket, normalize_before):
     assert set(got) == set(ref)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("scale", [None, 64.0])
+@pytest.mark.parametrize("bucket", [Bucket(5, 9, 8), PackedBucket(4, 20, 20, 16)])
+def test_split_step_with_the_heads_own_backward_equals_the_criterion(bucket, scale):
+    """The head's backward without autograd (one cross-entropy pass writing the scaled loss's gradient over the
+    logits, the projection's GEMMs adding into its gradient) gives the criterion's loss and gradients."""
+    check_split_step_equals_the_criterion(bucket, False, scale)
 
 
 def test_split_step_fails_when_padding_leaks_into_the_loss():
@@ -258,6 +291,20 @@ def test_graph_grads_zero_only_the_head_and_zero_all_before_an_eager_micro_batch
     assert all(p.grad.data_ptr() == v.data_ptr() for p, v in body)
     head_w.grad = None
     assert not grads.attached()
+    # one micro-batch: graphs captured for "write" overwrite, and only as the update's first writer
+    grads.begin_update(opt, 1)
+    assert grads.mode == "write" and grads.can_replay("write") and not grads.can_replay("add")
+    grads.fresh = False  # (an eager micro-batch wrote the buffers)
+    assert not grads.can_replay("write")
+    # several micro-batches: the whole buffers are zeroed once, and the graphs add
+    flat.grad.fill_(7.0)
+    grads.begin_update(opt, 2)
+    assert grads.mode == "add" and torch.all(flat.grad == 0) and not grads.fresh
+    assert grads.can_replay("add") and not grads.can_replay("write")
+    flat.grad.fill_(3.0)
+    grads.make_zero()  # nothing to zero: what the micro-batches add stays
+    assert torch.all(flat.grad == 3)
+    assert grads.take_sinks() == set()  # no compiled extension here: no sinks were set
 
 
 def test_several_gpus_take_the_graphs_only_when_asked(monkeypatch):

@@ -254,7 +254,7 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
     } else {
       Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
       Tensor a2 = a.reshape({-1, xc.size(-1)});
-      dw = need_dw ? at::mm(g2.t(), a2) : Tensor();
+      dw = need_dw ? weight_grad_mm(w, g2.t(), a2) : Tensor();  // undefined when written into its sink
       Tensor da2 = at::mm(g2, w);
       const bool relu = act == "relu";
       r = bias_act_dropout_bwd(at::_unsafe_view(da2, xc.sizes()), relu ? std::nullopt : OptTensor(xc), bias,
@@ -319,7 +319,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
       sizes.back() = w.size(1);
       dx = at::_unsafe_view(at::mm(g2, w), sizes);
     }
-    if (ctx->needs_input_grad(1)) dw = at::mm(g2.t(), x2);
+    if (ctx->needs_input_grad(1)) dw = weight_grad_mm(w, g2.t(), x2);  // undefined when written into its sink
     if (ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2)) db = g2.sum(0);
     return {dx, dw, db};
   }

@@ -68,6 +68,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ls_cross_entropy_bwd", guarded(&ls_cross_entropy_bwd), "label-smoothed CE backward", py::arg("logits"),
         py::arg("target"), py::arg("lse"), py::arg("g_loss"), py::arg("g_nll"), py::arg("epsilon"),
         py::arg("ignore_index"), py::arg("inplace") = false);
+  m.def("ls_cross_entropy_fwd_bwd", guarded(&ls_cross_entropy_fwd_bwd),
+        "label-smoothed CE forward and backward in one pass: (loss, nll); d(grad_scale * loss)/dlogits overwrites "
+        "logits", py::arg("logits"), py::arg("target"), py::arg("epsilon"), py::arg("ignore_index"),
+        py::arg("grad_scale") = none);
 
   m.def("adam_step", guarded(&adam_step), "fused Adam/AdamW over flat buffers", py::arg("param"), py::arg("grad"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_lp") = none, py::arg("lr"), py::arg("beta1"),

@@ -1,4 +1,4 @@
-// ATen adapter: label-smoothed cross-entropy forward (sums) and backward.
+// ATen adapter: label-smoothed cross-entropy forward (sums) and backward, and both in one pass.
 #include <torch/csrc/autograd/variable.h>
 
 #include "torch/adapter.h"
@@ -58,6 +58,37 @@ Tensor ls_cross_entropy_bwd(const Tensor& logits, const Tensor& target, const Te
   });
   if (inplace) torch::autograd::impl::bump_version(logits);
   return dlogits;
+}
+
+// The training step's head in one pass -> (loss sum, nll sum), fp32; the gradient of grad_scale * loss sum
+// (a 1-element fp32 device tensor, 1 when absent) overwrites the logits, whose version counter is bumped as in
+// the in-place backward. Not an autograd op: nothing is saved.
+std::vector<Tensor> ls_cross_entropy_fwd_bwd(const Tensor& logits, const Tensor& target, double epsilon,
+                                             int64_t ignore_index, const OptTensor& grad_scale) {
+  const char* op = "ls_cross_entropy_fwd_bwd";
+  check_ce(op, logits, target);  // includes: logits contiguous (the gradient is written over them)
+  LS_CHECK(epsilon >= 0.0 && epsilon < 1.0, op, ": label smoothing must be in [0, 1), got ", epsilon);
+  const ls::DType dt = to_dtype(op, logits);
+  auto f32 = logits.options().dtype(at::kFloat);
+  if (present(grad_scale)) {
+    LS_CHECK(grad_scale->device() == logits.device(), op, ": grad_scale must be on ", logits.device(), ", got ",
+             grad_scale->device());
+    LS_CHECK(grad_scale->scalar_type() == at::kFloat && grad_scale->numel() == 1, op,
+             ": grad_scale must be a 1-element float32 tensor, got ", grad_scale->scalar_type(), " of shape ",
+             grad_scale->sizes());
+  }
+  c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t N = logits.size(0);
+  const Tensor scale = present(grad_scale) ? *grad_scale : at::ones({1}, f32);
+  Tensor losses = at::empty({2, N}, f32);
+  launch(op, [&] {
+    ls::ls_cross_entropy_fwd_bwd(dt, logits.data_ptr(), target.data_ptr<int64_t>(), losses.data_ptr<float>(),
+                                 scale.data_ptr<float>(), N, checked_int(op, "vocab", logits.size(1)),
+                                 (float)epsilon, ignore_index, stream());
+  });
+  torch::autograd::impl::bump_version(logits);
+  Tensor sums = N > 0 ? losses.sum(1) : at::zeros({2}, f32);
+  return {sums[0].clone(), sums[1].clone()};
 }
 
 }  // namespace ls_torch

@@ -33,6 +33,11 @@ void bind_nodes_and_layers(pybind11::module_& m, Wrap wrap) {
         "(autograd.cpp)", py::arg("x"), py::arg("bias") = none, py::arg("weight"), py::arg("activation"),
         py::arg("p"), py::arg("fp8") = 0, py::arg("fp8_state") = none, py::arg("fp8_slot") = 0,
         py::arg("keep_fp8_codes") = false);
+  m.def("set_weight_grad_sinks", wrap(&set_weight_grad_sinks),
+        "while a backward is captured: write each parameter's weight gradient into its destination (weight_grads.cpp)",
+        py::arg("params"), py::arg("dests"), py::arg("accumulate"));
+  m.def("take_weight_grad_sinks", wrap(&take_weight_grad_sinks),
+        "data pointers of the parameters whose gradients went into their sinks; the sinks are dropped");
   m.def("encoder_layer_fwd", wrap(&encoder_layer_fwd),
         "an encoder layer's forward over the nodes above, in one call (layers.cpp)", py::arg("x"),
         py::arg("key_padding_mask") = none, py::arg("weights"), py::arg("eps"), py::arg("num_heads"),

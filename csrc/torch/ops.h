@@ -44,6 +44,9 @@ std::vector<Tensor> ls_cross_entropy_fwd(const Tensor& logits, const Tensor& tar
                                          int64_t ignore_index);
 Tensor ls_cross_entropy_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& g_loss,
                             const Tensor& g_nll, double epsilon, int64_t ignore_index, bool inplace);
+// (loss sum, nll sum); the gradient of grad_scale * loss sum overwrites logits (cross_entropy.cpp)
+std::vector<Tensor> ls_cross_entropy_fwd_bwd(const Tensor& logits, const Tensor& target, double epsilon,
+                                             int64_t ignore_index, const OptTensor& grad_scale);
 
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -65,6 +68,15 @@ std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, 
                                         double p);
 std::vector<Tensor> ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
+
+// weight_grads.cpp: weight gradients written into the places the CUDA-graph step names while it captures a
+// backward. set_weight_grad_sinks: parameter i's weight gradient goes into dests[i] (same shape and dtype,
+// contiguous), overwritten (accumulate false: an update's only micro-batch) or added to; take_weight_grad_sinks:
+// the data pointers of the parameters written so, and no sinks from then on. weight_grad_mm: a b as the gradient
+// of weight w, or written into w's sink (then undefined is returned: autograd gets no gradient for w).
+void set_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<Tensor>& dests, bool accumulate);
+std::vector<int64_t> take_weight_grad_sinks();
+Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b);
 
 // attention.cpp: attention over short sequences (csrc/kernels/attention.cu). q [B, H, Tq, D], k, v [B, H, Tk, D]
 // (any strides with the head dim contiguous), attend [B, Tk] bool / uint8 (nonzero = attend) or absent; causal:

@@ -98,6 +98,16 @@ class _ScaledLossOptimizer:
         if self._timer is not None:
             self._timer.host_mark("backward")
 
+    def backward_by(self, run):
+        """For a backward computed without autograd (the CUDA-graph step's head): ``run(scale)`` with
+        the device loss scale (None: no scaling), timed as :meth:`backward` is."""
+        if self._timer is not None:
+            self._timer.host_mark("forward")
+        out = run(self._scale)
+        if self._timer is not None:
+            self._timer.host_mark("backward")
+        return out
+
     def __getattr__(self, name):
         return getattr(self._optimizer, name)
 
@@ -136,7 +146,7 @@ class DeferredStepMixin:
         ls_adam, scaler = _inner_and_scaler(opt)
         graphs = self._graph_step()
         if graphs is not None:
-            graphs.begin_update(ls_adam)  # the graphs write the flat gradient buffers
+            graphs.begin_update(ls_adam, len(samples))  # the graphs write the flat gradient buffers
         else:
             self.zero_grad()
         metrics.log_start_time("train_wall", priority=800, round=0)

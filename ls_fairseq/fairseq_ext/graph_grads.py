@@ -2,18 +2,29 @@
 
 A captured backward cannot hand its gradients to autograd's accumulation at replay time: the
 addresses it writes are fixed at capture. The graph step therefore captures, per bucket, the
-backward with every body parameter's ``p.grad`` unset (autograd then leaves each gradient as a
-tensor of the graph pool, without an addition kernel), followed by one of two small graphs that
-move those tensors into ls_adam's flat gradient buffer with one multi-tensor operation:
+backward with every body parameter's ``p.grad`` unset, and:
 
-* ``copy`` for the first micro-batch of an update: the buffer is not zeroed beforehand, the copy
-  overwrites each parameter's slice (and zeroes the slices of parameters the body does not reach);
-* ``add`` for the later micro-batches of ``--update-freq``.
+* names each body parameter's slice of the flat buffer as its *sink* (``set_weight_grad_sinks``,
+  csrc/torch/weight_grads.cpp): the linear layers' weight-gradient GEMMs write there directly, so
+  the bulk of the gradients needs no second pass;
+* leaves the other gradients (biases, layer norms, the FP8 projections, whose nodes keep only the
+  weights' codes) to autograd, which hands each over as a tensor of the graph pool, and captures
+  one small graph that moves them into the flat buffer with one multi-tensor operation.
 
-The head (vocabulary projection and loss) runs eagerly between the forward and the backward replay
-and accumulates into the output projection's slice as autograd does, so that slice alone is zeroed
-at the start of each update. A micro-batch that takes the eager step adds into the buffers, so they
-are zeroed first (:meth:`GraphGrads.make_zero`).
+Two modes, chosen per update from its number of micro-batches:
+
+* ``write`` for an update of one micro-batch: the GEMMs overwrite their sinks and the small graph
+  copies (and zeroes the slices of parameters the body does not reach); the buffer is not zeroed
+  beforehand;
+* ``add`` for the micro-batches of ``--update-freq`` > 1: the buffer is zeroed when the update
+  begins, the GEMMs add into their sinks (beta = 1) and the small graph adds.
+
+Each bucket's graphs are captured for one mode; when the mode changes (``--update-freq`` varying
+by epoch) they are captured again. The head (vocabulary projection and loss) runs eagerly between
+the forward and the backward replay and accumulates into the output projection's slice, so in
+``write`` mode that slice alone is zeroed at the start of each update. A micro-batch that takes
+the eager step adds into the buffers, so in ``write`` mode they are zeroed first
+(:meth:`GraphGrads.make_zero`).
 """
 
 from typing import List, Tuple
@@ -24,37 +35,43 @@ import torch
 class GraphGrads:
     """The gradient side of :class:`~ls_fairseq.fairseq_ext.graph_step.GraphStep` (module docstring)."""
 
-    def __init__(self, model, world_size: int = 1):
+    def __init__(self, model, world_size: int = 1, sinks=None):
         self.model = model
         self.world_size = world_size
+        # the module with set_weight_grad_sinks / take_weight_grad_sinks: ls_fairseq._C by default (absent:
+        # no sinks, every gradient goes through the pool)
+        self._sinks = sinks
         self.ls_adam = None
         self._views = None  # ([(param, view)] of the head, the same of the body), for ls_adam
-        self.fresh = False  # the buffers hold the last update's values, which the next copy overwrites
+        self.fresh = False  # the buffers hold the last update's values, which the next write overwrites
+        self.mode = "write"  # this update's: "write" (one micro-batch) or "add" (several; module docstring)
 
     # ------------------------------------------------------------------ per update
-    def begin_update(self, ls_adam) -> None:
+    def begin_update(self, ls_adam, micro_batches: int = 1) -> None:
         """Before an update's micro-batches (in place of ``ls_adam.zero_grad(in_place=True)``): every
-        ``p.grad`` becomes its view of ls_adam's flat gradient buffers and only the head's slices are
-        zeroed.
+        ``p.grad`` becomes its view of ls_adam's flat gradient buffers; with one micro-batch only the
+        head's slices are zeroed (``write`` mode), with several the whole buffers (``add`` mode).
 
         With several GPUs ls_adam all-reduces those buffers after the last micro-batch's backward,
         between graph launches: the hooks that overlap the reduction with the backward would run only
         while a graph is captured, not when it is replayed. (The graphed micro-batches skip the DDP
         wrapper's ``no_sync()``; under legacy_ddp that only tells the reduction to wait, and the
         reduction runs once per update, after all of them.)"""
-        ls_adam.zero_grad(in_place=True, fill=False)
+        self.mode = "write" if micro_batches <= 1 else "add"
+        ls_adam.zero_grad(in_place=True, fill=self.mode == "add")
         if self.world_size > 1:
             ls_adam.reduce_after_backward_only("the CUDA-graph step replays the backward, where hooks do not run")
         if ls_adam is not self.ls_adam:
             self.ls_adam, self._views = ls_adam, None
-        head, _ = self.views()
-        if head:
-            torch._foreach_zero_([v for _, v in head])
-        self.fresh = True
+        if self.mode == "write":
+            head, _ = self.views()
+            if head:
+                torch._foreach_zero_([v for _, v in head])
+        self.fresh = self.mode == "write"
 
     def make_zero(self) -> None:
         """Zero the buffers if no micro-batch has written them in this update (before an eager
-        micro-batch, and after the last micro-batch)."""
+        micro-batch, and after the last micro-batch; in ``add`` mode they were zeroed at the start)."""
         if self.fresh and self.ls_adam is not None:
             self.fresh = False
             for buf in self._buffers():
@@ -70,46 +87,69 @@ class GraphGrads:
 
     # ------------------------------------------------------------------ capture and replay
     def detach_body(self) -> None:
-        """Unset every body parameter's ``p.grad`` (before capturing a backward)."""
-        for p, _ in self.views()[1]:
+        """Before capturing a backward: unset every body parameter's ``p.grad`` and name its slice of the
+        flat buffer as its weight gradient's sink, for this update's mode."""
+        body = self.views()[1]
+        for p, _ in body:
             p.grad = None
+        mod = self._sink_module()
+        if mod is not None:
+            sunk = [(p, v) for p, v in body if p.dim() == 2]
+            mod.set_weight_grad_sinks([p for p, _ in sunk], [v for _, v in sunk], self.mode == "add")
+
+    def take_sinks(self) -> set:
+        """After capturing a backward (or when it failed): the data pointers of the parameters whose
+        gradients the backward wrote into their sinks; no sinks from then on."""
+        mod = self._sink_module()
+        return set(mod.take_weight_grad_sinks()) if mod is not None else set()
+
+    def _sink_module(self):
+        if self._sinks is None:
+            from ls_fairseq import _ext
+
+            return _ext.get()
+        return self._sinks
 
     def reattach_body(self) -> None:
         """Every body parameter's ``p.grad`` is its flat view again."""
         for p, v in self.views()[1]:
             p.grad = v
 
-    def capture_writes(self, pool) -> Tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
-        """(copy, add) graphs moving the gradients that the backward just captured left in the pool into
-        the flat buffers (call on the capture stream, right after the backward's capture); the body's
-        ``p.grad`` are the flat views again afterwards."""
+    def capture_writes(self, pool, sunk: set) -> torch.cuda.CUDAGraph:
+        """The graph moving the gradients that the backward just captured left in the pool into the
+        flat buffers, for this update's mode (call on the capture stream, right after the backward's
+        capture; ``sunk``: :meth:`take_sinks`' answer). ``write``: a copy, and the slices of parameters
+        the body does not reach are zeroed; ``add``: an addition. The body's ``p.grad`` are the flat
+        views again afterwards."""
         _, body = self.views()
         dst = [v for p, v in body if p.grad is not None]
         src = [p.grad for p, _ in body if p.grad is not None]
-        unreached = [v for p, v in body if p.grad is None]
-        copy, add = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        unreached = [v for p, v in body if p.grad is None and p.data_ptr() not in sunk]
+        graph = torch.cuda.CUDAGraph()
         try:
-            copy.capture_begin(pool=pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                if dst:
-                    torch._foreach_copy_(dst, src)
-                if unreached:
-                    torch._foreach_zero_(unreached)
-            finally:
-                copy.capture_end()
-            add.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                if dst:
+                if self.mode == "write":
+                    if dst:
+                        torch._foreach_copy_(dst, src)
+                    if unreached:
+                        torch._foreach_zero_(unreached)
+                elif dst:
                     torch._foreach_add_(dst, src)
             finally:
-                add.capture_end()
+                graph.capture_end()
         finally:
             self.reattach_body()  # the pool's gradient tensors belong to the graphs from here on
-        return copy, add
+        return graph
 
-    def replay_write(self, copy, add) -> None:
-        """After a bucket's backward replay: its gradients into the flat buffers."""
-        (copy if self.fresh else add).replay()
+    def can_replay(self, mode: str) -> bool:
+        """Whether graphs captured for ``mode`` may write this micro-batch's gradients: ``write`` graphs
+        overwrite, so only as the update's first writer."""
+        return mode == self.mode and (mode == "add" or self.fresh)
+
+    def replay_write(self, graph) -> None:
+        """After a bucket's backward replay: the rest of its gradients into the flat buffers."""
+        graph.replay()
         self.fresh = False
 
     # ------------------------------------------------------------------ views

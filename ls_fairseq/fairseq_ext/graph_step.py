@@ -12,13 +12,15 @@ gradient of the decoder features into the parameters' gradient buffers (the arit
 
 1. the grown batch copied to the GPU in one transfer, into the bucket's fixed input tensors;
 2. the forward graph replayed: the decoder features land in a fixed buffer;
-3. the head, eagerly: the vocabulary projection of the counted target positions and the fused
-   label-smoothed cross-entropy (a handful of kernels; its row count varies from batch to batch)
-   and its backward, which accumulates the output projection's gradient and yields the features'
-   gradient;
-4. the backward graph replayed, and after it one multi-tensor write of every other parameter's
-   gradient into ls_adam's flat gradient buffer: a copy for the update's first micro-batch (the
-   buffer is not zeroed beforehand), an addition for the later ones of ``--update-freq``
+3. the head, eagerly (its row count varies from batch to batch): the vocabulary projection of the
+   counted target positions, one cross-entropy pass that computes the loss and writes the gradient
+   of the scaled loss over the logits, and the projection's two backward GEMMs, which add into the
+   output projection's gradient and write the features' gradient (a handful of kernels, no autograd:
+   :func:`~ls_fairseq.fairseq_ext.split_step.head_step`);
+4. the backward graph replayed: the linear layers' weight-gradient GEMMs write straight into
+   ls_adam's flat gradient buffer, and one small graph after it moves the other body gradients
+   (biases, layer norms) there: overwriting for an update of one micro-batch (the buffer is not
+   zeroed beforehand), adding for the micro-batches of ``--update-freq`` > 1
    (:mod:`ls_fairseq.fairseq_ext.graph_grads`).
 
 The loss, the gradients and the logged statistics are those of the batch as fairseq made it (padding
@@ -51,7 +53,7 @@ import torch
 from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
 from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
-from ls_fairseq.fairseq_ext.split_step import (PACKED_KEYS, body, body_packed, head, logging_output, pack_sample,
+from ls_fairseq.fairseq_ext.split_step import (PACKED_KEYS, body, body_packed, head_step, logging_output, pack_sample,
                                                packed_inputs, packing_shape, padded_inputs, split_step)
 
 logger = logging.getLogger("fairseq.trainer")
@@ -105,11 +107,12 @@ def unsupported_reason(trainer) -> Optional[str]:
 # ----------------------------------------------------------------------------- the engine
 class _Graphs:
     """One bucket's captured forward and backward and the views they read and write. The backward
-    leaves the body's parameter gradients in the pool; ``copy`` writes them over the flat gradient
-    buffer (and zeroes the slices of parameters the body does not reach), ``add`` adds them to it."""
+    writes the linear weights' gradients into the flat gradient buffer and leaves the other body
+    gradients in the pool; ``write`` moves those into the flat buffer, for ``mode``
+    (:mod:`ls_fairseq.fairseq_ext.graph_grads`)."""
 
-    def __init__(self, fwd, bwd, copy, add, feats, grad):
-        self.fwd, self.bwd, self.copy, self.add = fwd, bwd, copy, add
+    def __init__(self, fwd, bwd, write, mode, feats, grad):
+        self.fwd, self.bwd, self.write, self.mode = fwd, bwd, write, mode
         self.feats, self.grad = feats, grad
 
 
@@ -211,10 +214,10 @@ class GraphStep:
             self._grad_buf = torch.zeros(n_feat, dtype=dtype, device=dev)
 
     # ------------------------------------------------------------------ the gradient buffers
-    def begin_update(self, ls_adam) -> None:
-        """Before an update's micro-batches: :meth:`GraphGrads.begin_update
+    def begin_update(self, ls_adam, micro_batches: int = 1) -> None:
+        """Before an update's ``micro_batches``: :meth:`GraphGrads.begin_update
         <ls_fairseq.fairseq_ext.graph_grads.GraphGrads.begin_update>`."""
-        self.grads.begin_update(ls_adam)
+        self.grads.begin_update(ls_adam, micro_batches)
 
     def end_micro_batches(self) -> None:
         """After the update's micro-batches: buffers that no micro-batch wrote are zeroed."""
@@ -235,6 +238,8 @@ class GraphStep:
             return None
         if not self.grads.attached():
             return None  # begin_update did not run, or the gradients were detached since (an OOM's zero_grad)
+        if not self.grads.can_replay(self.grads.mode):
+            return None  # an update of one micro-batch whose buffers something else wrote already
         if not isinstance(sample, dict) or not sample or set(sample.get("net_input", {})) - {"src_lengths"} \
                 != _NET_INPUT_KEYS - {"src_lengths"}:
             return None
@@ -266,7 +271,7 @@ class GraphStep:
         if not self.replay:
             self.grads.make_zero()  # split_step's backward adds into the flat gradient buffers
             loss, sample_size, log = split_step(self.model, self.criterion, sample, bucket, self.pad, self.eos,
-                                                self.left_pad_source, backward=optimizer.backward)
+                                                self.left_pad_source, optimizer=optimizer)
             self.counts["graph"] += 1
             return loss.detach(), sample_size, log
         if self.packed:
@@ -281,6 +286,11 @@ class GraphStep:
                 self.graphs.clear()
             self._key = key
         g = self.graphs.get(bucket)
+        if g is not None and g.mode != self.grads.mode:  # --update-freq changed: capture for the other mode
+            self._say("mode", f"CUDA-graph step: updates of {'one micro-batch' if self.grads.mode == 'write' else 'several'}"
+                              " now; the buckets are captured again for them (said once)")
+            del self.graphs[bucket]
+            g = None
         views = self._views(bucket, inputs[-1].numel())
         self._upload(views, *inputs)
         if g is None:
@@ -289,11 +299,10 @@ class GraphStep:
                 return None
         g.fwd.replay()
         leaf = g.feats.detach().requires_grad_(True)
-        loss, nll = head(self.model, self.criterion, leaf, views["rows"], views["target_rows"])
-        optimizer.backward(loss)
+        loss, nll = head_step(self.model, self.criterion, leaf, views["rows"], views["target_rows"], optimizer)
         g.grad.copy_(leaf.grad)
         g.bwd.replay()
-        self.grads.replay_write(g.copy, g.add)
+        self.grads.replay_write(g.write)
         self.counts["graph"] += 1
         # detached: nothing may keep the head's autograd graph (and its AccumulateGrad nodes, bound to this
         # stream) alive into the next capture, whose backward would then wait on this stream
@@ -399,20 +408,23 @@ class GraphStep:
                 graph = None
                 if self.pool is None:
                     self.pool = fwd.pool()
-                self.grads.detach_body()  # autograd hands over each body gradient in the pool (no addition)
+                # the linear weights' gradients into their sinks; autograd hands over the others in the pool
+                self.grads.detach_body()
                 graph = bwd
                 bwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 torch.autograd.backward(feats, grad_in)
                 t3 = time.perf_counter()
                 bwd.capture_end()
                 t4 = time.perf_counter()
+                sunk = self.grads.take_sinks()
                 parts["backward"] += t3 - t2
                 parts["instantiate"] += t4 - t3
                 graph = None
                 del feats
-                copy, add = self.grads.capture_writes(self.pool)
+                write = self.grads.capture_writes(self.pool, sunk)
                 parts["writes"] += time.perf_counter() - t4
         except Exception as e:  # noqa: BLE001 - any failure: the eager step for the rest of the run
+            self.grads.take_sinks()
             self.grads.reattach_body()
             if graph is not None:
                 try:
@@ -430,7 +442,7 @@ class GraphStep:
                            self.disabled)
             return None
         cur.wait_stream(self.stream)
-        g = self.graphs[bucket] = _Graphs(fwd, bwd, copy, add, feats_out, grad_in)
+        g = self.graphs[bucket] = _Graphs(fwd, bwd, write, self.grads.mode, feats_out, grad_in)
         dt = time.perf_counter() - t0
         self.capture_seconds += dt
         logger.debug("CUDA-graph step: captured %s in %.0f ms", bucket, dt * 1e3)

@@ -45,6 +45,48 @@ def head(model, criterion, features, rows, target_rows):
     return label_smoothed_cross_entropy(logits, target_rows, criterion.eps, ignore_index=criterion.padding_idx)
 
 
+def head_step(model, criterion, features, rows, target_rows, optimizer):
+    """The head's forward and backward: (loss, nll_loss) of the counted positions ``rows`` of
+    ``features`` [..., C] (a leaf), the output projection's gradient added into its ``.grad`` and the
+    features' gradient left in ``features.grad``.
+
+    With the trainer's deferred step (``optimizer.backward_by``) and the projection's gradient attached,
+    without autograd: the cross-entropy kernel writes the gradient of the scaled loss over the logits in
+    the pass that computes the loss (the logits are read once), and the two GEMMs of the projection's
+    backward add into its gradient and write the features' rows. Otherwise :func:`head` and
+    ``optimizer.backward(loss)``."""
+    w = model.decoder.output_projection.weight
+    if not hasattr(optimizer, "backward_by") or w.grad is None or not w.requires_grad:
+        loss, nll = head(model, criterion, features, rows, target_rows)
+        optimizer.backward(loss)
+        return loss, nll
+    from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad
+
+    C = features.shape[-1]
+    with torch.no_grad():
+        x = features.reshape(-1, C).index_select(0, rows)
+        logits = torch.mm(x, w.t())
+
+        def backward(scale):
+            loss, nll = label_smoothed_cross_entropy_with_grad(logits, target_rows, criterion.eps,
+                                                               criterion.padding_idx, scale)
+            # logits now hold d(scale * loss) / d logits
+            g = torch.zeros_like(features)
+            # (rows repeats row 0 for the ignored targets that round its count up: their gradient rows are zeros)
+            g.view(-1, C).index_add_(0, rows, torch.mm(logits, w))
+            w.grad.addmm_(logits.t(), x)
+            features.grad = g
+            return loss, nll
+
+        return optimizer.backward_by(backward)
+
+
+class _PlainBackward:
+    @staticmethod
+    def backward(loss):
+        loss.backward()
+
+
 def logging_output(criterion, loss, nll_loss, ntokens, nsentences):
     sample_size = nsentences if criterion.sentence_avg else ntokens
     return sample_size, {"loss": loss.data, "nll_loss": nll_loss.data, "ntokens": ntokens,
@@ -86,10 +128,13 @@ def packed_inputs(packed, bucket: PackedBucket, pad: int):
 
 
 def split_step(model, criterion, sample, bucket, pad: int, eos: int, left_pad_source: bool = True,
-               backward=None):
+               optimizer=None):
     """The graph step's arithmetic without graphs (any device): body, head, backward through the
     head into the features, backward through the body. Returns (loss, sample_size, logging output).
-    ``backward(loss)`` (optional) replaces ``loss.backward()`` (the trainer's loss scaling)."""
+    ``optimizer`` (optional): the task's view of the optimizer, whose ``backward(loss)`` (or ``backward_by``)
+    applies the trainer's loss scaling (:func:`head_step`); without it, ``loss.backward()``."""
+    if optimizer is None:
+        optimizer = _PlainBackward()
     dev = next(model.parameters()).device
     if isinstance(bucket, PackedBucket):
         packed, target_rows = pack_sample(sample, criterion, pad)
@@ -101,8 +146,7 @@ def split_step(model, criterion, sample, bucket, pad: int, eos: int, left_pad_so
             sample, bucket, criterion, pad, eos, left_pad_source))
         feats = body(model, src, lengths, prev)
     leaf = feats.detach().requires_grad_(True)
-    loss, nll = head(model, criterion, leaf, rows, target_rows)
-    (backward or torch.Tensor.backward)(loss)
+    loss, nll = head_step(model, criterion, leaf, rows, target_rows, optimizer)
     torch.autograd.backward(feats, leaf.grad)
     sample_size, log = logging_output(criterion, loss, nll, sample["ntokens"], sample["target"].size(0))
     return loss, sample_size, log

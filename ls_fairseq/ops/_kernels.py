@@ -176,6 +176,16 @@ def _register():
     def _(logits, target, lse, g_loss, g_nll, epsilon, ignore_index):
         return _empty(logits, logits.shape)
 
+    @op(f"{_LIB}::ls_cross_entropy_fwd_bwd", mutates_args=("logits",))
+    def ls_cross_entropy_fwd_bwd(logits: Tensor, target: Tensor, epsilon: float, ignore_index: int,
+                                 grad_scale: Optional[Tensor]) -> List[Tensor]:
+        return list(_mod().ls_cross_entropy_fwd_bwd(logits, target, epsilon, ignore_index, grad_scale))
+
+    @ls_cross_entropy_fwd_bwd.register_fake
+    def _(logits, target, epsilon, ignore_index, grad_scale):
+        f = torch.float32
+        return [_empty(logits, (), f), _empty(logits, (), f)]
+
     @op(f"{_LIB}::adam_step", mutates_args=("param", "exp_avg", "exp_avg_sq", "param_lp", "param_lp_peer"))
     def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param_lp: Optional[Tensor],
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,

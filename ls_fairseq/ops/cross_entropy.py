@@ -4,6 +4,8 @@ logits [..., V] (any float dtype), target [...] (int64). Returns (loss, nll_loss
 scalars summed over the non-ignored tokens, with fairseq's label_smoothed_nll_loss
 definition: eps_i = epsilon / (V - 1),
 loss = (1 - epsilon - eps_i) * nll + eps_i * sum_v(-log p_v).
+label_smoothed_cross_entropy_with_grad: the same sums, with the gradient of grad_scale * loss written
+over 2-D logits (on CUDA one kernel that reads the logits once).
 """
 
 import torch
@@ -85,3 +87,48 @@ class _LabelSmoothedCEFn(torch.autograd.Function):
             d = call("ls_cross_entropy_bwd", *args)
         return d.view(shape), None, None, None, None
 
+
+def label_smoothed_cross_entropy_with_grad(logits, target, epsilon: float = 0.0, ignore_index: int = -100,
+                                           grad_scale=None):
+    """Loss and gradient in one call, for a caller whose only backward through the loss is ``grad_scale * loss``
+    (the training step's head). ``logits`` [tokens, vocab] (contiguous) are overwritten with
+    d(grad_scale * loss)/dlogits in their own dtype; returns (loss, nll) as label_smoothed_cross_entropy does
+    (fp32 sums; fp64 for fp64 logits). ``grad_scale``: None (1), a number, or a 1-element tensor (read on the
+    device by the kernel). Not an autograd op: nothing is recorded, ``logits`` need no history.
+
+    On CUDA the kernel reads each row once and writes its gradient over it (ls_cross_entropy_fwd_bwd);
+    otherwise the reference runs under autograd on the detached logits (upcast), and the gradient is
+    copied over them."""
+    if logits.dim() != 2:
+        raise ValueError(f"cross-entropy with grad: logits must be 2-D [tokens, vocab], got shape "
+                         f"{tuple(logits.shape)}")
+    _check(logits, target, epsilon)
+    if logits.shape[1] < 1:
+        raise ValueError("cross-entropy with grad: the vocabulary must not be empty")
+    if not logits.is_contiguous():
+        raise ValueError("cross-entropy with grad: logits must be contiguous (the gradient is written over them)")
+    if grad_scale is not None:
+        if not isinstance(grad_scale, torch.Tensor):
+            grad_scale = torch.tensor([float(grad_scale)])
+        if grad_scale.numel() != 1:
+            raise ValueError(f"cross-entropy with grad: grad_scale must have 1 element, got shape "
+                             f"{tuple(grad_scale.shape)}")
+    with torch.no_grad():
+        mod = kernel_module("label_smoothed_cross_entropy", logits, target)
+        if mod is not None:
+            gs = None
+            if grad_scale is not None:
+                gs = grad_scale.reshape(1)
+                if gs.dtype != torch.float32 or gs.device != logits.device:
+                    gs = gs.to(logits.device, torch.float32)
+            t1 = target.long().contiguous()
+            loss, nll = call("ls_cross_entropy_fwd_bwd", logits, t1, float(epsilon), int(ignore_index), gs)
+            return loss, nll
+        with torch.enable_grad():
+            x = up(logits.detach()).requires_grad_(True)
+            loss, nll = label_smoothed_cross_entropy_reference(x, target, epsilon, ignore_index)
+            (g,) = torch.autograd.grad(loss, x)
+        if grad_scale is not None:
+            g = g * grad_scale.to(g.device, g.dtype).reshape(())
+        logits.copy_(g)
+        return loss.detach(), nll.detach()

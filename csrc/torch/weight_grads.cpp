@@ -1,0 +1,103 @@
+// Weight gradients written straight into the optimizer's gradient buffer.
+//
+// The CUDA-graph step captures each bucket's backward once and replays it; ls_adam keeps every gradient in
+// one flat buffer per dtype. Left to autograd, a captured backward hands each weight gradient to autograd's
+// accumulation as a new tensor of the graph pool, and a second pass must move all of them into the flat
+// buffer (for the big Transformer about 176M values per micro-batch: a copy of 0.7 GB in bf16). Instead,
+// while a backward is captured, the graph step names each body parameter's place in the flat buffer here
+// (a "sink"), and the linear nodes' weight-gradient GEMMs write there themselves:
+//   * write mode: C = A B overwrites the sink (the update's only micro-batch: nothing to add to);
+//   * add mode:   C += A B (beta = 1 in the GEMM's epilogue) for updates of several micro-batches, whose
+//                 buffers are zeroed once at the start of the update.
+// A weight that two nodes use (tied weights) is overwritten by the first and added to by the second. The
+// node then returns no gradient for the weight, so autograd leaves it alone. Sinks are looked up by the
+// weight's data pointer (a node keeps the parameter itself for the backward, so the pointers are the
+// parameter's); a sink whose shape or dtype differs from the product is not used. Nothing here touches
+// CUDA directly: the CPU tests build this file with the nodes (tests/_cpu_builds.py).
+#include <torch/extension.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+#include "torch/ops.h"
+
+namespace ls_torch {
+
+namespace {
+
+struct Sinks {
+  std::mutex mu;
+  std::atomic<bool> armed{false};  // the common case (no capture under way) without taking the lock
+  std::unordered_map<const void*, Tensor> dest;
+  std::unordered_map<const void*, int64_t> hits;
+  bool accumulate = false;
+};
+
+Sinks& sinks() {
+  static Sinks s;
+  return s;
+}
+
+}  // namespace
+
+void set_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<Tensor>& dests, bool accumulate) {
+  const char* op = "set_weight_grad_sinks";
+  LS_CHECK(params.size() == dests.size(), op, ": ", params.size(), " parameters but ", dests.size(),
+           " destinations");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor &p = params[i], &d = dests[i];
+    LS_CHECK(p.defined() && d.defined(), op, ": entry ", i, " is undefined");
+    LS_CHECK(p.sizes() == d.sizes() && p.scalar_type() == d.scalar_type() && p.device() == d.device(), op,
+             ": entry ", i, ": destination ", d.sizes(), " of ", d.scalar_type(), " does not match parameter ",
+             p.sizes(), " of ", p.scalar_type());
+    LS_CHECK(d.is_contiguous(), op, ": entry ", i, ": the destination must be contiguous");
+  }
+  Sinks& s = sinks();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.dest.clear();
+  s.hits.clear();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].numel() > 0) s.dest[params[i].data_ptr()] = dests[i];
+  s.accumulate = accumulate;
+  s.armed.store(!s.dest.empty());
+}
+
+std::vector<int64_t> take_weight_grad_sinks() {
+  Sinks& s = sinks();
+  std::lock_guard<std::mutex> lock(s.mu);
+  std::vector<int64_t> hit;
+  hit.reserve(s.hits.size());
+  for (const auto& kv : s.hits) hit.push_back(reinterpret_cast<int64_t>(kv.first));
+  s.dest.clear();
+  s.hits.clear();
+  s.armed.store(false);
+  return hit;
+}
+
+Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b) {
+  Sinks& s = sinks();
+  if (!s.armed.load()) return at::mm(a, b);
+  Tensor dest;
+  bool add = false;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.dest.find(w.data_ptr());
+    if (it != s.dest.end() && it->second.dim() == 2 && it->second.size(0) == a.size(0) &&
+        it->second.size(1) == b.size(1) && it->second.scalar_type() == a.scalar_type() &&
+        a.scalar_type() == b.scalar_type()) {
+      int64_t& n = s.hits[w.data_ptr()];
+      add = s.accumulate || n > 0;
+      ++n;
+      dest = it->second;
+    }
+  }
+  if (!dest.defined()) return at::mm(a, b);
+  if (add)
+    dest.addmm_(a, b);
+  else
+    at::mm_out(dest, a, b);
+  return Tensor();
+}
+
+}  // namespace ls_torch
