@@ -75,7 +75,7 @@ def _ce_inputs(N, V, seed):
 def test_with_grad_matches_reference(dtype, N, V, scale):
     logits, target = _ce_inputs(N, V, N * V)
     eps, s = 0.1, (1.0 if scale is None else scale)
-    buf = logits.to(dtype)
+    buf = logits.clone().to(dtype)  # (a copy: in fp32 .to would return logits itself, which the call overwrites)
     version = buf._version
     gs = None if scale is None else torch.tensor([scale], device="cuda")
     fl, fn_ = ce_with_grad(buf, target, eps, -100, gs)
