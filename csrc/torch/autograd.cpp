@@ -246,7 +246,7 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
       Tensor aq_t = s[8];
       if (!aq_t.defined() && need_dw)
         aq_t = fp8_act_codes_t(xc.reshape({-1, xc.size(-1)}), bias, mask, act, p, fp8, state, slot);
-      auto d = fp8_linear_backward_codes(g2, aq_t, s[4], s[5], s[6], fp8, state, slot, need_dw);
+      auto d = fp8_linear_backward_codes(g2, aq_t, s[4], s[5], s[6], fp8, state, slot, need_dw, w.data_ptr());
       dw = d[1];
       // relu: from the bits of a > 0; gelu: from x and the keep bits
       r = bias_act_dropout_bwd(at::_unsafe_view(d[0], x_sizes), relu_bits ? std::nullopt : OptTensor(xc), bias,

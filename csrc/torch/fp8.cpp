@@ -128,24 +128,38 @@ std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const
 
 // The backward's GEMMs from the output gradient's codes: dx = dY W from gq [M, N] (undefined: no dx), dW = dY^T x
 // from gq_t [N, Mp] (undefined: no dW)
+// wkey: the weight's data pointer, whose gradient goes into its sink when the CUDA-graph step names one
+// (weight_grads.cpp; dw is then undefined); nullptr: none.
 std::pair<Tensor, Tensor> backward_gemms(const Tensor& gq, const Tensor& gq_t, const Tensor& sg, const Tensor& xq_t,
                                          const Tensor& wq_t, const Tensor& sx, const Tensor& sw,
-                                         at::ScalarType dx_dtype, at::ScalarType w_dtype) {
+                                         at::ScalarType dx_dtype, at::ScalarType w_dtype, const void* wkey) {
   Tensor dx, dw;
   // dx = dY W: mat2 = W [N, K] column-major, i.e. the transposed codes viewed back
   if (gq.defined()) dx = at::_scaled_mm(gq, wq_t.t(), sg, sw, std::nullopt, std::nullopt, dx_dtype, false);
   // dW = dY^T x: mat1 = dY^T [N, Mp] row-major, mat2 = x [Mp, K] column-major (its transposed codes viewed back)
-  if (gq_t.defined()) dw = at::_scaled_mm(gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, false);
+  if (gq_t.defined()) {
+    Tensor sink = weight_grad_overwrite_sink(wkey, gq_t.size(0), xq_t.size(0), w_dtype);
+    if (sink.defined())
+      at::_scaled_mm_out(sink, gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, false);
+    else
+      dw = at::_scaled_mm(gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, false);
+  }
   return {dx, dw};
 }
+
+inline const void* key_of(AutogradContext* ctx, const char* name) {
+  return reinterpret_cast<const void*>(ctx->saved_data[name].toInt());
+}
+inline int64_t key_value(const Tensor& w) { return reinterpret_cast<int64_t>(w.data_ptr()); }
 
 // [dx2 (or undefined), dW (or undefined)] from the output gradient g2 [M, N]
 std::pair<Tensor, Tensor> linear_backward(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t, const Tensor& sx,
                                           const Tensor& sw, const Use& u, bool need_dx, bool need_dw,
-                                          at::ScalarType w_dtype) {
+                                          at::ScalarType w_dtype, const void* wkey) {
   const char* op = "fp8_linear backward";
   auto [gq, gq_t] = quantize(op, g2, u.state, u.row(2), to_format(op, u.grad_format), u.current, need_dx, need_dw);
-  return backward_gemms(gq, gq_t, scale_inv_of(u.state, u.row(2)), xq_t, wq_t, sx, sw, g2.scalar_type(), w_dtype);
+  return backward_gemms(gq, gq_t, scale_inv_of(u.state, u.row(2)), xq_t, wq_t, sx, sw, g2.scalar_type(), w_dtype,
+                        wkey);
 }
 
 struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
@@ -164,6 +178,7 @@ struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["wkey"] = key_value(weight);
     return at::_unsafe_view(f[0], sizes);
   }
 
@@ -177,7 +192,8 @@ struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
     Tensor g2 = contig(g.reshape({-1, N}));
     const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) && s[0].defined();
     auto [dx2, dw] = linear_backward(g2, s[0], s[1], s[2], s[3], u, need_dx, need_dw,
-                                     static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()));
+                                     static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt()),
+                                     key_of(ctx, "wkey"));
     Tensor dx = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
     Tensor db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2) ? g2.sum(0) : Tensor();
     return {dx, dw, db, Tensor(), Tensor(), Tensor()};
@@ -352,9 +368,10 @@ Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor&
 
 std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,
                                               const Tensor& sx, const Tensor& sw, int64_t mode,
-                                              const OptTensor& state, int64_t slot, bool need_dw) {
+                                              const OptTensor& state, int64_t slot, bool need_dw, const void* wkey) {
   const Use u = use_of("fp8_linear backward", mode, state, slot, g2);
-  auto [dx, dw] = linear_backward(g2, xq_t, wq_t, sx, sw, u, true, need_dw && xq_t.defined(), g2.scalar_type());
+  auto [dx, dw] = linear_backward(g2, xq_t, wq_t, sx, sw, u, true, need_dw && xq_t.defined(), g2.scalar_type(),
+                                  wkey);
   return {dx, dw};
 }
 
@@ -389,6 +406,8 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     ctx->saved_data["mode"] = mode;
     ctx->saved_data["slot1"] = slot1;
     ctx->saved_data["slot2"] = slot2;
+    ctx->saved_data["w1key"] = key_value(w1);
+    ctx->saved_data["w2key"] = key_value(w2);
     return {at::_unsafe_view(f2[0], sizes), f2[1]};
   }
 
@@ -413,11 +432,12 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     Tensor g2 = contig(g.reshape({-1, g.size(-1)}));
     Tensor aq_t = s[6];
     if (!aq_t.defined() && need_dw2) aq_t = fp8_act_codes_t(h2, b1, mask, act, p, mode, state, slot2);
-    auto d2 = fp8_linear_backward_codes(g2, aq_t, s[7], s[8], s[9], mode, state, slot2, need_dw2);  // [da2, dW2]
+    auto d2 = fp8_linear_backward_codes(g2, aq_t, s[7], s[8], s[9], mode, state, slot2, need_dw2,
+                                        key_of(ctx, "w2key"));  // [da2, dW2]
     auto c = act_grad_codes(op, d2[0], relu_bits ? std::nullopt : OptTensor(h2), b1, mask, p, act, u1, need_dx,
                             need_dw1, need_db);
     auto [dx2, dw1] = backward_gemms(c[0], c[1], scale_inv_of(state, u1.row(2)), xq_t, w1q_t, sx, sw1,
-                                     g2.scalar_type(), g2.scalar_type());
+                                     g2.scalar_type(), g2.scalar_type(), key_of(ctx, "w1key"));
     Tensor dx = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
     variable_list out(11);
     out[0] = dx;
@@ -472,6 +492,7 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     ctx->saved_data["mode"] = mode;
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["wkey"] = key_value(weight);
     return out.unbind(0);
   }
 
@@ -490,7 +511,8 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2);
     auto c = merge_codes(op, grads, n, u, need_dx, need_dw, need_db);
     const auto dt = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    auto [dx2, dw] = backward_gemms(c[0], c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx, sw, dt, dt);
+    auto [dx2, dw] = backward_gemms(c[0], c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx, sw, dt, dt,
+                                    key_of(ctx, "wkey"));
     variable_list out(8);
     out[0] = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
     out[1] = dw;

@@ -77,6 +77,10 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 void set_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<Tensor>& dests, bool accumulate);
 std::vector<int64_t> take_weight_grad_sinks();
 Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b);
+// weight_grad_overwrite_sink: for a GEMM that can only overwrite (FP8's), the sink of the weight whose data pointer is
+// key, if there is one in write mode not yet written, for a [rows, cols] product of dtype (16-byte aligned); the
+// caller then writes it there and hands autograd no gradient. Undefined otherwise.
+Tensor weight_grad_overwrite_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype);
 
 // attention.cpp: attention over short sequences (csrc/kernels/attention.cu). q [B, H, Tq, D], k, v [B, H, Tk, D]
 // (any strides with the head dim contiguous), attend [B, Tk] bool / uint8 (nonzero = attend) or absent; causal:
@@ -143,7 +147,8 @@ bool fp8_linear_shapes_ok(const Tensor& weight);
 // -> [y2, mask, a's transposed codes (keep_codes, else undefined), W's transposed codes, 1/s of a, 1/s of W];
 // mask: the dropout's keep bits, or with positive_bits (relu, keep_codes) the bits of a > 0 (relu's backward).
 // fp8_act_codes_t: a's transposed codes again from x2, bias and the forward's mask, under the forward's scale.
-// fp8_linear_backward_codes: [dx2, dW (or undefined)] from the output gradient and those codes.
+// fp8_linear_backward_codes: [dx2, dW (or undefined)] from the output gradient and those codes; wkey: the weight's
+// data pointer, for its weight-gradient sink (weight_grads.cpp).
 std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bias, const Tensor& weight,
                                            const std::string& activation, double p, int64_t mode,
                                            const OptTensor& state, int64_t slot, bool keep_codes,
@@ -152,7 +157,8 @@ Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor&
                        double p, int64_t mode, const OptTensor& state, int64_t slot);
 std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,
                                               const Tensor& sx, const Tensor& sw, int64_t mode,
-                                              const OptTensor& state, int64_t slot, bool need_dw);
+                                              const OptTensor& state, int64_t slot, bool need_dw,
+                                              const void* wkey = nullptr);
 
 // dropout(act(x + bias)) W^T as one node that keeps the activation's input, not its output -> [y, mask]. fp8 as
 // in ag_linear_mode. Without FP8 (and with FP8 unless keep_fp8_codes) it recomputes the output in the backward

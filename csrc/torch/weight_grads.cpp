@@ -9,7 +9,8 @@
 //   * write mode: C = A B overwrites the sink (the update's only micro-batch: nothing to add to);
 //   * add mode:   C += A B (beta = 1 in the GEMM's epilogue) for updates of several micro-batches, whose
 //                 buffers are zeroed once at the start of the update.
-// A weight that two nodes use (tied weights) is overwritten by the first and added to by the second. The
+// A weight that two nodes use (tied weights) is overwritten by the first and added to by the second. The FP8
+// projections (fp8.cpp), whose GEMM cannot add into its output, use their sinks in write mode only. The
 // node then returns no gradient for the weight, so autograd leaves it alone. Sinks are looked up by the
 // weight's data pointer (a node keeps the parameter itself for the backward, so the pointers are the
 // parameter's); a sink whose shape or dtype differs from the product is not used. Nothing here touches
@@ -73,6 +74,20 @@ std::vector<int64_t> take_weight_grad_sinks() {
   s.hits.clear();
   s.armed.store(false);
   return hit;
+}
+
+Tensor weight_grad_overwrite_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype) {
+  Sinks& s = sinks();
+  if (key == nullptr || !s.armed.load()) return Tensor();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.accumulate) return Tensor();
+  auto it = s.dest.find(key);
+  if (it == s.dest.end() || s.hits.count(key) || it->second.dim() != 2 || it->second.size(0) != rows ||
+      it->second.size(1) != cols || it->second.scalar_type() != dtype ||
+      reinterpret_cast<uintptr_t>(it->second.data_ptr()) % 16 != 0)
+    return Tensor();
+  s.hits[key] = 1;
+  return it->second;
 }
 
 Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b) {

@@ -122,20 +122,21 @@ class GraphGrads:
         the body does not reach are zeroed; ``add``: an addition. The body's ``p.grad`` are the flat
         views again afterwards."""
         _, body = self.views()
-        dst = [v for p, v in body if p.grad is not None]
-        src = [p.grad for p, _ in body if p.grad is not None]
+        # in write mode a gradient adds to its slice where a sink already wrote part of it (a weight that a
+        # node writing its sink and a node handing its gradient to autograd both use)
+        add = [(v, p.grad) for p, v in body if p.grad is not None and (self.mode == "add" or p.data_ptr() in sunk)]
+        copy = [(v, p.grad) for p, v in body if p.grad is not None and self.mode == "write" and p.data_ptr() not in sunk]
         unreached = [v for p, v in body if p.grad is None and p.data_ptr() not in sunk]
         graph = torch.cuda.CUDAGraph()
         try:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                if self.mode == "write":
-                    if dst:
-                        torch._foreach_copy_(dst, src)
-                    if unreached:
-                        torch._foreach_zero_(unreached)
-                elif dst:
-                    torch._foreach_add_(dst, src)
+                if copy:
+                    torch._foreach_copy_([d for d, _ in copy], [g for _, g in copy])
+                if add:
+                    torch._foreach_add_([d for d, _ in add], [g for _, g in add])
+                if unreached and self.mode == "write":
+                    torch._foreach_zero_(unreached)
             finally:
                 graph.capture_end()
         finally:

@@ -94,7 +94,8 @@ Tensor fp8_act_codes_t(const Tensor& x2, const OptTensor& bias, const OptTensor&
 }
 std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq_t, const Tensor& wq_t,
                                               const Tensor& sx, const Tensor& sw, int64_t mode,
-                                              const OptTensor& state, int64_t slot, bool need_dw) {
+                                              const OptTensor& state, int64_t slot, bool need_dw,
+                                              const void* wkey) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
