@@ -176,6 +176,35 @@ def test_split_step_with_the_heads_own_backward_equals_the_criterion(bucket, sca
     check_split_step_equals_the_criterion(bucket, False, scale)
 
 
+@pytest.mark.parametrize("own_backward", [False, True])
+def test_head_step_writes_the_features_gradient_into_grad_out(own_backward):
+    """The graph step hands the head its fixed gradient buffer: the same loss and gradients as without it, written
+    there (stale values overwritten), with the head's own backward and through autograd."""
+    from ls_fairseq.fairseq_ext.split_step import head_step
+
+    d = make_dict()
+    m, crit = _model_and_criterion(d)
+    gen = torch.Generator().manual_seed(5)
+    feats = torch.randn(1, 12, m.decoder.embed_tokens.embedding_dim, generator=gen, dtype=torch.float64)
+    rows = torch.tensor([0, 1, 2, 5, 6, 7, 9, 0])
+    target_rows = torch.randint(4, len(d), (8,), generator=gen)
+    target_rows[-1] = d.pad()
+    w = m.decoder.output_projection.weight
+    outs = []
+    for buf in (None, torch.full_like(feats, 3.0)):
+        w.grad = torch.zeros_like(w) if own_backward else None
+        opt = _ScaledBackward(torch.tensor(2.0, dtype=torch.float64)) if own_backward else \
+            types.SimpleNamespace(backward=lambda loss: (2.0 * loss).backward())
+        leaf = feats.clone().requires_grad_(True)
+        loss, nll, grad = head_step(m, crit, leaf, rows, target_rows, opt, grad_out=buf)
+        if buf is not None:
+            assert grad is buf
+        outs.append((loss.detach(), nll.detach(), grad.clone(), w.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert outs[1][2][0, 3].abs().max() == 0 and outs[1][2][0, 0].abs().max() > 0  # uncounted rows zeroed
+
+
 def test_split_step_fails_when_padding_leaks_into_the_loss():
     """The exactness test can fail: padding the bucket with a real token changes the loss."""
     from ls_fairseq.fairseq_ext.graph_step import split_step

@@ -76,36 +76,43 @@ std::vector<int64_t> take_weight_grad_sinks() {
   return hit;
 }
 
+namespace {
+
+// Under the lock: the sink of the weight at key for a [rows, cols] product of dtype, counted as written, or
+// undefined (none, another shape or dtype). *add: whether the product must be added to it (add mode, or the
+// weight's second use). overwrite_only (a GEMM that cannot add, needing 16-byte aligned output): only a sink the
+// product may overwrite.
+Tensor claim_sink(Sinks& s, const void* key, int64_t rows, int64_t cols, at::ScalarType dtype, bool overwrite_only,
+                  bool* add) {
+  auto it = s.dest.find(key);
+  if (it == s.dest.end()) return Tensor();
+  const Tensor& d = it->second;
+  if (d.dim() != 2 || d.size(0) != rows || d.size(1) != cols || d.scalar_type() != dtype) return Tensor();
+  auto hit = s.hits.find(key);
+  *add = s.accumulate || hit != s.hits.end();
+  if (overwrite_only && (*add || reinterpret_cast<uintptr_t>(d.data_ptr()) % 16 != 0)) return Tensor();
+  ++s.hits[key];
+  return d;
+}
+
+}  // namespace
+
 Tensor weight_grad_overwrite_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype) {
   Sinks& s = sinks();
   if (key == nullptr || !s.armed.load()) return Tensor();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.accumulate) return Tensor();
-  auto it = s.dest.find(key);
-  if (it == s.dest.end() || s.hits.count(key) || it->second.dim() != 2 || it->second.size(0) != rows ||
-      it->second.size(1) != cols || it->second.scalar_type() != dtype ||
-      reinterpret_cast<uintptr_t>(it->second.data_ptr()) % 16 != 0)
-    return Tensor();
-  s.hits[key] = 1;
-  return it->second;
+  bool add = false;
+  return claim_sink(s, key, rows, cols, dtype, true, &add);
 }
 
 Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b) {
   Sinks& s = sinks();
-  if (!s.armed.load()) return at::mm(a, b);
+  if (!s.armed.load() || a.scalar_type() != b.scalar_type()) return at::mm(a, b);
   Tensor dest;
   bool add = false;
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    auto it = s.dest.find(w.data_ptr());
-    if (it != s.dest.end() && it->second.dim() == 2 && it->second.size(0) == a.size(0) &&
-        it->second.size(1) == b.size(1) && it->second.scalar_type() == a.scalar_type() &&
-        a.scalar_type() == b.scalar_type()) {
-      int64_t& n = s.hits[w.data_ptr()];
-      add = s.accumulate || n > 0;
-      ++n;
-      dest = it->second;
-    }
+    dest = claim_sink(s, w.data_ptr(), a.size(0), b.size(1), a.scalar_type(), false, &add);
   }
   if (!dest.defined()) return at::mm(a, b);
   if (add)

@@ -90,17 +90,12 @@ class _ScaledLossOptimizer:
         self._timer = timer  # LS_FAIRSEQ_STEP_TIMING: the host time of forward and backward apart
 
     def backward(self, loss):
-        if self._timer is not None:
-            self._timer.host_mark("forward")
-        if self._scale is not None:
-            loss = loss * self._scale
-        loss.backward()
-        if self._timer is not None:
-            self._timer.host_mark("backward")
+        self.backward_by(lambda scale: (loss if scale is None else loss * scale).backward())
 
     def backward_by(self, run):
-        """For a backward computed without autograd (the CUDA-graph step's head): ``run(scale)`` with
-        the device loss scale (None: no scaling), timed as :meth:`backward` is."""
+        """``run(scale)`` with the device loss scale (None: no scaling), between the host marks of the
+        forward and the backward: :meth:`backward`, and a backward computed without autograd (the
+        CUDA-graph step's head)."""
         if self._timer is not None:
             self._timer.host_mark("forward")
         out = run(self._scale)

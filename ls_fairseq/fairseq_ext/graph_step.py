@@ -299,8 +299,8 @@ class GraphStep:
                 return None
         g.fwd.replay()
         leaf = g.feats.detach().requires_grad_(True)
-        loss, nll = head_step(self.model, self.criterion, leaf, views["rows"], views["target_rows"], optimizer)
-        g.grad.copy_(leaf.grad)
+        loss, nll, _ = head_step(self.model, self.criterion, leaf, views["rows"], views["target_rows"], optimizer,
+                                 grad_out=g.grad)
         g.bwd.replay()
         self.grads.replay_write(g.write)
         self.counts["graph"] += 1

@@ -45,10 +45,10 @@ def head(model, criterion, features, rows, target_rows):
     return label_smoothed_cross_entropy(logits, target_rows, criterion.eps, ignore_index=criterion.padding_idx)
 
 
-def head_step(model, criterion, features, rows, target_rows, optimizer):
-    """The head's forward and backward: (loss, nll_loss) of the counted positions ``rows`` of
-    ``features`` [..., C] (a leaf), the output projection's gradient added into its ``.grad`` and the
-    features' gradient left in ``features.grad``.
+def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out=None):
+    """The head's forward and backward: (loss, nll_loss, the features' gradient) of the counted positions
+    ``rows`` of ``features`` [..., C] (a leaf), the output projection's gradient added into its ``.grad``.
+    ``grad_out`` (optional, shaped as ``features``): where the features' gradient is written.
 
     With the trainer's deferred step (``optimizer.backward_by``) and the projection's gradient attached,
     without autograd: the cross-entropy kernel writes the gradient of the scaled loss over the logits in
@@ -59,7 +59,10 @@ def head_step(model, criterion, features, rows, target_rows, optimizer):
     if not hasattr(optimizer, "backward_by") or w.grad is None or not w.requires_grad:
         loss, nll = head(model, criterion, features, rows, target_rows)
         optimizer.backward(loss)
-        return loss, nll
+        if grad_out is None:
+            return loss, nll, features.grad
+        grad_out.copy_(features.grad)
+        return loss, nll, grad_out
     from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad
 
     C = features.shape[-1]
@@ -71,12 +74,11 @@ def head_step(model, criterion, features, rows, target_rows, optimizer):
             loss, nll = label_smoothed_cross_entropy_with_grad(logits, target_rows, criterion.eps,
                                                                criterion.padding_idx, scale)
             # logits now hold d(scale * loss) / d logits
-            g = torch.zeros_like(features)
+            g = torch.zeros_like(features) if grad_out is None else grad_out.zero_()
             # (rows repeats row 0 for the ignored targets that round its count up: their gradient rows are zeros)
             g.view(-1, C).index_add_(0, rows, torch.mm(logits, w))
             w.grad.addmm_(logits.t(), x)
-            features.grad = g
-            return loss, nll
+            return loss, nll, g
 
         return optimizer.backward_by(backward)
 
@@ -146,7 +148,7 @@ def split_step(model, criterion, sample, bucket, pad: int, eos: int, left_pad_so
             sample, bucket, criterion, pad, eos, left_pad_source))
         feats = body(model, src, lengths, prev)
     leaf = feats.detach().requires_grad_(True)
-    loss, nll = head_step(model, criterion, leaf, rows, target_rows, optimizer)
-    torch.autograd.backward(feats, leaf.grad)
+    loss, nll, grad = head_step(model, criterion, leaf, rows, target_rows, optimizer)
+    torch.autograd.backward(feats, grad)
     sample_size, log = logging_output(criterion, loss, nll, sample["ntokens"], sample["target"].size(0))
     return loss, sample_size, log
