@@ -15,7 +15,9 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   fairseq's) and logs no statistics for it; otherwise it logs the statistics of update n.
   The next loss scale is chosen on the GPU from the two values the host precomputes with
   fairseq's own DynamicLossScaler (after an overflow, after a clean step), so update n + 1's
-  backward already uses the scale fairseq would use;
+  backward already uses the scale fairseq would use. Without a loss scale (bf16, fp32) no outcome
+  can change the next update, and update n is read during update n + 2 instead: the host may
+  run two updates ahead (:func:`~ls_fairseq.fairseq_ext.pending_update.pending_limit`);
 * the update is resolved at once (one wait) whenever something reads the exact count: updates
   that end a --log-interval, --save-interval-updates, --validate-interval-updates or
   --max-update, the last update of an epoch, and before checkpoints, validation and
@@ -65,7 +67,7 @@ import torch
 from fairseq import metrics, utils
 from fairseq.distributed import utils as distributed_utils
 
-from ls_fairseq.fairseq_ext.pending_update import _inner_and_scaler, _PendingStep
+from ls_fairseq.fairseq_ext.pending_update import _inner_and_scaler, _PendingStep, pending_limit
 from ls_fairseq.fairseq_ext.step_stats import DeferredLoggingOutput
 from ls_fairseq.fairseq_ext.step_timing import _StepTimer
 from ls_fairseq import env
@@ -220,11 +222,11 @@ class DeferredStepMixin:
             if utils.has_parameters(self.criterion):
                 opt.all_reduce_grads(self.criterion)
 
-        # the previous update, long finished on the GPU: settle it before this one uses the
-        # learning rate, the step count and the loss scale that depend on it
         if timer is not None:
             timer.host_mark("gradient reduction")
-        self._ls_resolve(in_step=True)
+        # the update before (with a loss scale) or the one before that (without): settle it before this one uses
+        # the learning rate, the step count and the loss scale that depend on it (pending_update.pending_limit)
+        self._ls_resolve(in_step=True, keep=pending_limit(scaler) - 1)
         if timer is not None:
             timer.host_mark("settle the previous update")
 
@@ -277,7 +279,7 @@ class DeferredStepMixin:
             timer.host_mark("optimizer step")
         complete = timer is not None and len(events) == 2 * len(samples) + 1  # no micro-batch lost to OOM
         pending = _PendingStep(status, summed, logging_outputs, sample_size, clip, events if complete else None)
-        self._ls_pending = pending
+        self._ls_pend(pending)
         num_updates = self.get_num_updates() + 1
         self.set_num_updates(num_updates)  # provisional until settled
 
@@ -335,7 +337,7 @@ class DeferredStepMixin:
         if t is None or t.device != self.device:
             t = self._ls_scale = torch.empty((), dtype=torch.float32, device=self.device)
             t.fill_(float(scaler.loss_scale))
-        elif self.__dict__.get("_ls_pending") is None:
+        elif not self._ls_any_pending():
             t.fill_(float(scaler.loss_scale))
         return t
 

@@ -385,6 +385,10 @@ class GraphStep:
         grad_in = self._grad_buf[:n].view(shape)
         if self.stream is None:
             self.stream = torch.cuda.Stream()
+        if not self.graphs:
+            # a pool lives as long as a graph captured into it: with every graph dropped (a new optimizer, larger
+            # shared buffers) its id names a freed pool, and capturing into it fails; take a new one
+            self.pool = None
         cur = torch.cuda.current_stream()
         self.stream.wait_stream(cur)
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()

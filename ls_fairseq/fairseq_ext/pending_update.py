@@ -1,18 +1,27 @@
-"""The update the deferred step leaves pending, and settling it.
+"""The updates the deferred step leaves pending, and settling them.
 
 The deferred step (:mod:`ls_fairseq.fairseq_ext.deferred_step`) queues update n and returns without
 reading its outcome. :class:`_PendingStep` holds that outcome on its way to the host (one copy into
-pinned memory); :meth:`PendingUpdateMixin._ls_resolve` reads it, during update n + 1 or whenever
+pinned memory); :meth:`PendingUpdateMixin._ls_resolve` reads it, during a later update or whenever
 something needs the exact state, and does the host side of fairseq's step: on overflow the loss
 scale goes down and the update is taken back, otherwise the update's statistics are logged.
-:meth:`PendingUpdateMixin._count_is_read_after` tells which updates are settled at once because
-fairseq's loop acts on the update count after them. :class:`PendingUpdateMixin` holds methods of
-:class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
+
+How many updates may be pending (:func:`pending_limit`): with fp16's dynamic loss scale one, as an
+overflow of update n changes the loss scale, the learning rate and the step count that update n + 1
+uses, so update n is settled during update n + 1, before its optimizer step. Without a loss scale
+(bf16, fp32) nothing an update's outcome decides reaches the next updates (a non-finite gradient
+stops training), and two may be pending: update n is settled during update n + 2, so the host runs
+up to two updates ahead of the GPU and host work longer than one update (a CUDA-graph capture, a slow
+batch) hides behind the GPU's queue. Updates are settled in order, so the logged statistics are the
+same either way. :meth:`PendingUpdateMixin._count_is_read_after` tells which updates are settled at
+once because fairseq's loop acts on the update count after them. :class:`PendingUpdateMixin` holds
+methods of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
 """
 
 import logging
 import math
 import time
+from collections import deque
 
 import torch
 from fairseq import metrics
@@ -52,6 +61,11 @@ class _PendingStep:
         return self.host.tolist()
 
 
+def pending_limit(scaler) -> int:
+    """How many updates may be pending at once (module docstring): 1 with a dynamic loss scale, else 2."""
+    return 1 if scaler is not None else 2
+
+
 OVERFLOW_STREAK_LIMIT = 50  # consecutive fp16 overflows after which training stops (the loss scale cannot help)
 
 
@@ -89,18 +103,30 @@ class PendingUpdateMixin:
             return False
 
     # -------------------------------------------------------- settling
-    def _ls_resolve(self, in_step=False):
-        """Settle the pending update: read its outcome and do the host side of fairseq's step.
-        ``in_step``: called from the next update's step (where the step timer measures the wait)."""
-        pending = self.__dict__.get("_ls_pending")
-        if pending is None:
-            return
-        self._ls_pending = None
+    def _ls_pend(self, pending):
+        """Queue ``pending`` (the update just taken) for settling."""
+        pendings = self.__dict__.get("_ls_pendings")
+        if pendings is None:
+            pendings = self._ls_pendings = deque()
+        pendings.append(pending)
+
+    def _ls_any_pending(self) -> bool:
+        return bool(self.__dict__.get("_ls_pendings"))
+
+    def _ls_resolve(self, in_step=False, keep=0):
+        """Settle the pending updates, oldest first, until at most ``keep`` are left: read each one's outcome
+        and do the host side of fairseq's step. ``in_step``: called from a later update's step (where the step
+        timer measures the wait)."""
+        pendings = self.__dict__.get("_ls_pendings")
+        while pendings and len(pendings) > keep:
+            self._ls_settle(pendings.popleft(), in_step)
+
+    def _ls_settle(self, pending, in_step):
         timed = in_step and pending.events is not None
         t0 = time.perf_counter() if timed else 0.0
         values = pending.values()
         if pending.events is not None:
-            # only the settle inside the next update's step tells how far ahead the host runs
+            # only the settle inside a later update's step tells how far ahead the host runs
             wait = (time.perf_counter() - t0) * 1e3 if timed else None
             pending.events[-1].synchronize()  # recorded after the Adam step that the read above waited for
             self._ls_timer.settle(pending.events, wait)

@@ -77,3 +77,28 @@ def test_graph_step_with_update_freq(corpus, tmp_path):
     assert _graph_micro_batches(out)[0] > 100
     worst = max(abs(a - b) / abs(a) for a, b in zip(eager, graph))
     assert len(eager) == len(graph) and worst < 2e-3
+
+
+def test_graphs_are_captured_again_after_every_graph_was_dropped(corpus, tmp_path, monkeypatch):
+    """A rebuilt optimizer (new flat buffers) drops every graph, and their memory pool goes with them: the
+    captures after that must take a new pool and the graphs carry on (not the eager step, not a crash).
+    Here the optimizer's buffer key changes every 40 micro-batches."""
+    from ls_fairseq.fairseq_ext import graph_step
+    from tests._models import lightseq_train, log_lines
+
+    real, calls = graph_step.GraphStep._buffers_key, [0]
+
+    def changing_key(optimizer):
+        calls[0] += 1
+        return real(optimizer), calls[0] // 40
+
+    monkeypatch.setattr(graph_step.GraphStep, "_buffers_key", staticmethod(changing_key))
+    argv = [corpus, *SMALL_LS_TRAIN, "--dropout", "0.1", "--max-tokens", "2048", "--max-update", "130", "--bf16",
+            "--no-save", "--disable-validation", "--log-format", "json", "--log-interval", "10", "--num-workers", "0",
+            "--save-dir", str(tmp_path / "s"), "--ls-graph-buckets", "8", "--ls-graph-step", "on"]
+    with log_lines() as lines:
+        lightseq_train(argv)
+    text = "\n".join(lines)
+    assert text.count("the parameter buffers changed; the buckets are captured again") >= 2, text[-3000:]
+    assert "CUDA-graph step off" not in text, text[-3000:]
+    assert _graph_micro_batches(text)[0] >= 75, text[-3000:]  # the summary at the end of epoch 1
