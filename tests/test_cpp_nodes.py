@@ -238,6 +238,17 @@ def test_weight_gradient_sinks(nodes):
     (nodes.ag_bias_act_linear(x, torch.full((16,), 0.5, dtype=torch.float64), wa, "relu", 0.0)[0] * gy).sum().backward()
     assert nodes.take_weight_grad_sinks() == [wa.data_ptr()]
     torch.testing.assert_close(dwa, want)
+    # add_weight_grad_sinks (the head's weights, whose slices already hold the head's part): always added to, in
+    # overwrite mode too, beside the overwritten ones
+    dwh = torch.full((16, 16), 3.0, dtype=torch.float64)
+    dwa.fill_(9.0)
+    nodes.set_weight_grad_sinks([wa], [dwa], False)
+    nodes.add_weight_grad_sinks([wt], [dwh])
+    (nodes.ag_linear(nodes.ag_linear(x, wa), wt) * gy).sum().backward()
+    assert sorted(nodes.take_weight_grad_sinks()) == sorted([wa.data_ptr(), wt.data_ptr()])
+    want_a, want_t = torch.autograd.grad((F.linear(F.linear(x, wa), wt) * gy).sum(), [wa, wt])
+    torch.testing.assert_close(dwa, want_a)
+    torch.testing.assert_close(dwh, 3.0 + want_t)
     # no sinks any more: autograd gets the gradient again
     (nodes.ag_linear(x, wa) * gy).sum().backward()
     assert wa.grad is not None and nodes.take_weight_grad_sinks() == []

@@ -169,7 +169,7 @@ __global__ void embedding_bwd_chunk_kernel(const T* __restrict__ dy, const uint8
 template <typename T, bool VEC>
 __global__ void embedding_bwd_finalize_kernel(const float* __restrict__ partial, const int64_t* __restrict__ keys,
                                               T* __restrict__ grad, int64_t rows, int C, float factor,
-                                              int64_t padding_idx) {
+                                              int64_t padding_idx, bool accumulate) {
   const int64_t s = blockIdx.x;
   const int64_t key = keys[s];
   if ((s > 0 && keys[s - 1] == key) || key == padding_idx) return;
@@ -184,6 +184,12 @@ __global__ void embedding_bwd_finalize_kernel(const float* __restrict__ partial,
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] *= factor;
     T* dst = grad + key * C + c0;
+    if (accumulate) {  // into the row's present value, rounded once
+      float old[8];
+      if (VEC) load8(dst, old); else load_n(dst, n, old);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] += old[k];
+    }
     if (VEC) store8(dst, acc); else store_n(dst, n, acc);
   }
 }
@@ -192,7 +198,7 @@ int64_t embedding_bwd_workspace_floats(int64_t rows, int C) { return rows * (int
 
 void embedding_bwd(DType dt, const void* dy, const uint8_t* mask, const int64_t* sorted_keys, const int64_t* perm,
                    const int64_t* tokens, void* grad, float* workspace, int64_t rows, int C, float factor,
-                   int64_t padding_idx, bool zero_pad, cudaStream_t stream) {
+                   int64_t padding_idx, bool zero_pad, bool accumulate, cudaStream_t stream) {
   if (rows <= 0 || C <= 0) return;
   if (rows > 0x7fffffffLL) throw std::runtime_error("embedding backward: too many rows");
   const bool vec = C % 8 == 0 && aligned16(dy) && aligned16(grad) && aligned16(workspace);
@@ -204,13 +210,13 @@ void embedding_bwd(DType dt, const void* dy, const uint8_t* mask, const int64_t*
           sorted_keys, perm, tokens, workspace, rows, C, padding_idx, zero_pad);
       LS_CHECK_LAUNCH("embedding_bwd (chunks)", stream);
       embedding_bwd_finalize_kernel<T, true><<<(unsigned)rows, threads, 0, stream>>>(workspace, sorted_keys,
-          static_cast<T*>(grad), rows, C, factor, padding_idx);
+          static_cast<T*>(grad), rows, C, factor, padding_idx, accumulate);
     } else {
       embedding_bwd_chunk_kernel<T, false><<<chunks, threads, 0, stream>>>(static_cast<const T*>(dy), mask,
           sorted_keys, perm, tokens, workspace, rows, C, padding_idx, zero_pad);
       LS_CHECK_LAUNCH("embedding_bwd (chunks)", stream);
       embedding_bwd_finalize_kernel<T, false><<<(unsigned)rows, threads, 0, stream>>>(workspace, sorted_keys,
-          static_cast<T*>(grad), rows, C, factor, padding_idx);
+          static_cast<T*>(grad), rows, C, factor, padding_idx, accumulate);
     }
     LS_CHECK_LAUNCH("embedding_bwd", stream);
   });

@@ -87,13 +87,14 @@ void embedding_fwd(DType dt, const int64_t* tokens, const void* weight, const vo
                    const int64_t* positions, void* out, uint8_t* mask, int64_t rows, int C, float scale, float p,
                    int64_t padding_idx, bool zero_pad, PhiloxArgs rng, cudaStream_t stream);
 // grad[key] = sum over rows r with keys[r] == key (key != padding_idx) of dy[r] * keep[r] * factor,
-// rows with tokens[r] == padding_idx skipped if zero_pad. sorted_keys/perm: keys sorted (stably), and
-// the row each sorted entry came from. grad must be zeroed by the caller. workspace: fp32 scratch of
+// rows with tokens[r] == padding_idx skipped if zero_pad (accumulate: added to grad[key], each row rounded
+// once). sorted_keys/perm: keys sorted (stably), and the row each sorted entry came from. Only the rows of
+// keys present are written: grad must be zeroed by the caller (or hold what is added to). workspace: fp32 scratch of
 // embedding_bwd_workspace_floats(rows, C) elements (16-byte aligned). Deterministic.
 int64_t embedding_bwd_workspace_floats(int64_t rows, int C);
 void embedding_bwd(DType dt, const void* dy, const uint8_t* mask, const int64_t* sorted_keys, const int64_t* perm,
                    const int64_t* tokens, void* grad, float* workspace, int64_t rows, int C, float factor,
-                   int64_t padding_idx, bool zero_pad, cudaStream_t stream);
+                   int64_t padding_idx, bool zero_pad, bool accumulate, cudaStream_t stream);
 
 // ================================================================ heads.cu
 // x [B, T, n*H*D] (+ bias [n*H*D]) -> out [n, B, H, T, D] (stored [n, B, T, H, D] if token_major).

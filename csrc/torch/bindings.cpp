@@ -54,7 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("padding_idx"), py::arg("zero_pad"));
   m.def("embedding_bwd", guarded(&embedding_bwd), "deterministic embedding-table gradient", py::arg("dy"),
         py::arg("mask") = none, py::arg("keys"), py::arg("tokens"), py::arg("num_embeddings"), py::arg("factor"),
-        py::arg("padding_idx"), py::arg("zero_pad"));
+        py::arg("padding_idx"), py::arg("zero_pad"), py::arg("weight_key") = 0);
 
   m.def("qkv_split_fwd", guarded(&qkv_split_fwd), "[B,T,n*C] (+bias) -> [n,B,H,T,D] (token_major: stored [n,B,T,H,D])",
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"), py::arg("token_major") = false);

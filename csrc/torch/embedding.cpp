@@ -53,8 +53,11 @@ std::vector<Tensor> embedding_fwd(const Tensor& tokens, const Tensor& weight, co
 // Gradient of a [num_embeddings, C] table looked up by `keys` (tokens or positions):
 // grad[k] = factor * sum over rows with keys == k != padding_idx of dy * keep (rows whose token is
 // padding_idx skipped when zero_pad). Deterministic: keys are sorted, runs are summed in order.
+// weight_key (the table's data pointer, or 0): when the CUDA-graph step names a sink for that weight
+// (weight_grads.cpp), the gradient goes there (added to it, or written over it after zeroing it) and
+// the result is undefined (None): no [num_embeddings, C] tensor is made for autograd to add.
 Tensor embedding_bwd(const Tensor& dy, const OptTensor& mask, const Tensor& keys, const Tensor& tokens,
-                     int64_t num_embeddings, double factor, int64_t padding_idx, bool zero_pad) {
+                     int64_t num_embeddings, double factor, int64_t padding_idx, bool zero_pad, int64_t weight_key) {
   const char* op = "embedding_bwd";
   LS_CHECK_INPUT(op, dy);
   const int64_t C = dy.size(-1);
@@ -71,18 +74,27 @@ Tensor embedding_bwd(const Tensor& dy, const OptTensor& mask, const Tensor& keys
                 ls::mask_bytes(dy.numel()));
   }
   c10::cuda::CUDAGuard guard(dy.device());
-  Tensor grad = at::zeros({num_embeddings, C}, dy.options());
-  if (rows == 0) return grad;
-  auto sorted = at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  Tensor skeys = std::get<0>(sorted).contiguous(), perm = std::get<1>(sorted).contiguous();
-  const int c = checked_int(op, "C", C);
-  Tensor workspace = at::empty({ls::embedding_bwd_workspace_floats(rows, c)}, dy.options().dtype(at::kFloat));
-  launch(op, [&] {
-    ls::embedding_bwd(dt, dy.data_ptr(), present(mask) ? mask->data_ptr<uint8_t>() : nullptr,
-                      skeys.data_ptr<int64_t>(), perm.data_ptr<int64_t>(), tok.data_ptr<int64_t>(), grad.data_ptr(),
-                      workspace.data_ptr<float>(), rows, c, (float)factor, padding_idx, zero_pad, stream());
-  });
-  return grad;
+  bool add = false;
+  Tensor sink = weight_key != 0 ? weight_grad_sink(reinterpret_cast<const void*>(weight_key), num_embeddings, C,
+                                                   dy.scalar_type(), &add)
+                                : Tensor();
+  if (sink.defined()) {
+    LS_CHECK(sink.device() == dy.device(), op, ": the gradient sink is on ", sink.device(), ", dy on ", dy.device());
+    if (!add) sink.zero_();
+  }
+  Tensor grad = sink.defined() ? sink : at::zeros({num_embeddings, C}, dy.options());
+  if (rows > 0) {
+    auto sorted = at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    Tensor skeys = std::get<0>(sorted).contiguous(), perm = std::get<1>(sorted).contiguous();
+    const int c = checked_int(op, "C", C);
+    Tensor workspace = at::empty({ls::embedding_bwd_workspace_floats(rows, c)}, dy.options().dtype(at::kFloat));
+    launch(op, [&] {
+      ls::embedding_bwd(dt, dy.data_ptr(), present(mask) ? mask->data_ptr<uint8_t>() : nullptr,
+                        skeys.data_ptr<int64_t>(), perm.data_ptr<int64_t>(), tok.data_ptr<int64_t>(), grad.data_ptr(),
+                        workspace.data_ptr<float>(), rows, c, (float)factor, padding_idx, zero_pad, add, stream());
+    });
+  }
+  return sink.defined() ? Tensor() : grad;
 }
 
 }  // namespace ls_torch

@@ -36,6 +36,9 @@ void bind_nodes_and_layers(pybind11::module_& m, Wrap wrap) {
   m.def("set_weight_grad_sinks", wrap(&set_weight_grad_sinks),
         "while a backward is captured: write each parameter's weight gradient into its destination (weight_grads.cpp)",
         py::arg("params"), py::arg("dests"), py::arg("accumulate"));
+  m.def("add_weight_grad_sinks", wrap(&add_weight_grad_sinks),
+        "after set_weight_grad_sinks: sinks that every writer adds to (weight_grads.cpp)", py::arg("params"),
+        py::arg("dests"));
   m.def("take_weight_grad_sinks", wrap(&take_weight_grad_sinks),
         "data pointers of the parameters whose gradients went into their sinks; the sinks are dropped");
   m.def("encoder_layer_fwd", wrap(&encoder_layer_fwd),

@@ -29,7 +29,7 @@ std::vector<Tensor> embedding_fwd(const Tensor& tokens, const Tensor& weight, co
                                   const OptTensor& positions, double scale, double p, int64_t padding_idx,
                                   bool zero_pad);
 Tensor embedding_bwd(const Tensor& dy, const OptTensor& mask, const Tensor& keys, const Tensor& tokens,
-                     int64_t num_embeddings, double factor, int64_t padding_idx, bool zero_pad);
+                     int64_t num_embeddings, double factor, int64_t padding_idx, bool zero_pad, int64_t weight_key);
 
 Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads, bool token_major);
 // Whether a [B, H, T, D] head gradient is stored token-major ([B, T, H, D] memory, as SDPA's backward writes it for
@@ -81,6 +81,12 @@ Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b);
 // key, if there is one in write mode not yet written, for a [rows, cols] product of dtype (16-byte aligned); the
 // caller then writes it there and hands autograd no gradient. Undefined otherwise.
 Tensor weight_grad_overwrite_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype);
+// weight_grad_sink: the sink of the weight whose data pointer is key for a [rows, cols] gradient of dtype, counted as
+// written, or undefined (no capture, no sink, another shape or dtype); *add: add to it (else overwrite it whole).
+// add_weight_grad_sinks (after set_weight_grad_sinks): sinks that every writer adds to (the head's weights, whose
+// slices hold the head's part of the gradient before the backward runs).
+Tensor weight_grad_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype, bool* add);
+void add_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<Tensor>& dests);
 
 // attention.cpp: attention over short sequences (csrc/kernels/attention.cu). q [B, H, Tq, D], k, v [B, H, Tk, D]
 // (any strides with the head dim contiguous), attend [B, Tk] bool / uint8 (nonzero = attend) or absent; causal:

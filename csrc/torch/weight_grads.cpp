@@ -9,7 +9,9 @@
 //   * write mode: C = A B overwrites the sink (the update's only micro-batch: nothing to add to);
 //   * add mode:   C += A B (beta = 1 in the GEMM's epilogue) for updates of several micro-batches, whose
 //                 buffers are zeroed once at the start of the update.
-// A weight that two nodes use (tied weights) is overwritten by the first and added to by the second. The FP8
+// A weight that two nodes use (tied weights) is overwritten by the first and added to by the second. The head's
+// weights (add_weight_grad_sinks) are always added to: their slices hold the head's part before the backward
+// runs. The embedding backward (embedding.cpp) writes its table's gradient into a sink too. The FP8
 // projections (fp8.cpp), whose GEMM cannot add into its output, use their sinks in write mode only. The
 // node then returns no gradient for the weight, so autograd leaves it alone. Sinks are looked up by the
 // weight's data pointer (a node keeps the parameter itself for the backward, so the pointers are the
@@ -32,6 +34,7 @@ struct Sinks {
   std::atomic<bool> armed{false};  // the common case (no capture under way) without taking the lock
   std::unordered_map<const void*, Tensor> dest;
   std::unordered_map<const void*, int64_t> hits;
+  std::unordered_map<const void*, bool> always_add;  // add_weight_grad_sinks' entries
   bool accumulate = false;
 };
 
@@ -42,8 +45,9 @@ Sinks& sinks() {
 
 }  // namespace
 
-void set_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<Tensor>& dests, bool accumulate) {
-  const char* op = "set_weight_grad_sinks";
+namespace {
+
+void check_sinks(const char* op, const std::vector<Tensor>& params, const std::vector<Tensor>& dests) {
   LS_CHECK(params.size() == dests.size(), op, ": ", params.size(), " parameters but ", dests.size(),
            " destinations");
   for (size_t i = 0; i < params.size(); ++i) {
@@ -54,13 +58,32 @@ void set_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<
              p.sizes(), " of ", p.scalar_type());
     LS_CHECK(d.is_contiguous(), op, ": entry ", i, ": the destination must be contiguous");
   }
+}
+
+}  // namespace
+
+void set_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<Tensor>& dests, bool accumulate) {
+  check_sinks("set_weight_grad_sinks", params, dests);
   Sinks& s = sinks();
   std::lock_guard<std::mutex> lock(s.mu);
   s.dest.clear();
   s.hits.clear();
+  s.always_add.clear();
   for (size_t i = 0; i < params.size(); ++i)
     if (params[i].numel() > 0) s.dest[params[i].data_ptr()] = dests[i];
   s.accumulate = accumulate;
+  s.armed.store(!s.dest.empty());
+}
+
+void add_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<Tensor>& dests) {
+  check_sinks("add_weight_grad_sinks", params, dests);
+  Sinks& s = sinks();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel() == 0) continue;
+    s.dest[params[i].data_ptr()] = dests[i];
+    s.always_add[params[i].data_ptr()] = true;
+  }
   s.armed.store(!s.dest.empty());
 }
 
@@ -72,6 +95,7 @@ std::vector<int64_t> take_weight_grad_sinks() {
   for (const auto& kv : s.hits) hit.push_back(reinterpret_cast<int64_t>(kv.first));
   s.dest.clear();
   s.hits.clear();
+  s.always_add.clear();
   s.armed.store(false);
   return hit;
 }
@@ -89,7 +113,7 @@ Tensor claim_sink(Sinks& s, const void* key, int64_t rows, int64_t cols, at::Sca
   const Tensor& d = it->second;
   if (d.dim() != 2 || d.size(0) != rows || d.size(1) != cols || d.scalar_type() != dtype) return Tensor();
   auto hit = s.hits.find(key);
-  *add = s.accumulate || hit != s.hits.end();
+  *add = s.accumulate || hit != s.hits.end() || s.always_add.count(key) > 0;
   if (overwrite_only && (*add || reinterpret_cast<uintptr_t>(d.data_ptr()) % 16 != 0)) return Tensor();
   ++s.hits[key];
   return d;
@@ -103,6 +127,13 @@ Tensor weight_grad_overwrite_sink(const void* key, int64_t rows, int64_t cols, a
   std::lock_guard<std::mutex> lock(s.mu);
   bool add = false;
   return claim_sink(s, key, rows, cols, dtype, true, &add);
+}
+
+Tensor weight_grad_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype, bool* add) {
+  Sinks& s = sinks();
+  if (key == nullptr || !s.armed.load()) return Tensor();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return claim_sink(s, key, rows, cols, dtype, false, add);
 }
 
 Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b) {

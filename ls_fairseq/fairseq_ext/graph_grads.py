@@ -5,8 +5,10 @@ addresses it writes are fixed at capture. The graph step therefore captures, per
 backward with every body parameter's ``p.grad`` unset, and:
 
 * names each body parameter's slice of the flat buffer as its *sink* (``set_weight_grad_sinks``,
-  csrc/torch/weight_grads.cpp): the linear layers' weight-gradient GEMMs write there directly, so
-  the bulk of the gradients needs no second pass;
+  csrc/torch/weight_grads.cpp): the linear layers' weight-gradient GEMMs and the embedding tables'
+  backward write there directly, so the bulk of the gradients needs no second pass. The head's
+  weight keeps its flat view as ``p.grad`` and is a sink that is always added to
+  (``add_weight_grad_sinks``): with shared embeddings the body's lookups add their rows to it;
 * leaves the other gradients (biases, layer norms, the FP8 projections, whose nodes keep only the
   weights' codes) to autograd, which hands each over as a tensor of the graph pool, and captures
   one small graph that moves them into the flat buffer with one multi-tensor operation.
@@ -96,6 +98,11 @@ class GraphGrads:
         if mod is not None:
             sunk = [(p, v) for p, v in body if p.dim() == 2]
             mod.set_weight_grad_sinks([p for p, _ in sunk], [v for _, v in sunk], self.mode == "add")
+            # the head's weight (with shared embeddings also the tables the body looks up): its slice holds the
+            # head's part already, so the body's nodes add theirs there
+            head = [(p, v) for p, v in self.views()[0] if p.dim() == 2]
+            if head:
+                mod.add_weight_grad_sinks([p for p, _ in head], [v for _, v in head])
 
     def take_sinks(self) -> set:
         """After capturing a backward (or when it failed): the data pointers of the parameters whose

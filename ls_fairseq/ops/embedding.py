@@ -76,6 +76,7 @@ class _EmbeddingFn(torch.autograd.Function):
         out, mask = call("embedding_fwd", tokens, weight.contiguous(), pos_weight, positions, float(scale), float(p),
                          int(padding_idx), bool(zero_pad))
         ctx.save_for_backward(tokens, positions, mask)
+        ctx.weight_key = weight.data_ptr()  # its gradient's sink, if the CUDA-graph step names one (embedding.cpp)
         ctx.meta = (float(scale), float(p), int(padding_idx), bool(zero_pad), weight.shape[0],
                     pos_weight.shape[0] if pos_weight is not None else 0,
                     pos_weight.dtype if pos_weight is not None else None)
@@ -91,7 +92,9 @@ class _EmbeddingFn(torch.autograd.Function):
         m = mask if p > 0 else None
         gw = gp = None
         if ctx.needs_input_grad[1]:
-            gw = call("embedding_bwd", g, m, tokens, tokens, V, scale * keep, padding_idx, zero_pad)
+            # None when written into the table's gradient sink (only while the CUDA-graph step captures a backward)
+            sink = () if torch.compiler.is_compiling() else (ctx.weight_key,)
+            gw = call("embedding_bwd", g, m, tokens, tokens, V, scale * keep, padding_idx, zero_pad, *sink)
         if ctx.needs_input_grad[2]:
             gp = call("embedding_bwd", g, m, positions, tokens, P, keep, padding_idx, zero_pad).to(pos_dtype)
         return None, gw, gp, None, None, None, None, None

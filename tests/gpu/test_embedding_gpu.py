@@ -83,3 +83,41 @@ def test_embedding_seed_reproduces_mask():
     torch.manual_seed(12)
     m3 = embedding(tokens, W, Pw, positions, p=0.2, return_mask=True)[1]
     assert torch.equal(m1, m2) and not torch.equal(m1, m3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("always_add", [False, True])
+@pytest.mark.parametrize("C", [63, 1024])
+def test_embedding_backward_writes_the_tables_gradient_sink(dtype, always_add, C):
+    """While the CUDA-graph step names a sink for the table (weight_grads.cpp), the backward writes the table's
+    gradient there (overwriting the whole slice, or adding to it: the head's weight) and hands autograd none; two
+    lookups of one table (shared embeddings) add up. Equal to the plain backward within one rounding of the sum."""
+    from ls_fairseq import _ext
+
+    mod = _ext.get()
+    tokens, positions, W, Pw = _inputs(8, 45, 301, C, 50, seed=C)
+    w = W.to(dtype).requires_grad_(True)
+    g1, g2 = (torch.randn(8, 45, C, device="cuda", dtype=dtype) for _ in range(2))
+    other = tokens.flip(0)
+
+    def lookups():
+        return (embedding(tokens, w, None, None, scale=C ** 0.5, p=0.1, padding_idx=PAD, zero_pad=True) * g1).sum() + \
+            (embedding(other, w, None, None, scale=C ** 0.5, p=0.1, padding_idx=PAD, zero_pad=True) * g2).sum()
+
+    torch.manual_seed(4)
+    (plain,) = torch.autograd.grad(lookups(), [w])
+    sink = torch.full_like(w, 0.5)
+    if always_add:
+        mod.set_weight_grad_sinks([], [], False)
+        mod.add_weight_grad_sinks([w], [sink])
+    else:
+        mod.set_weight_grad_sinks([w], [sink], False)
+    torch.manual_seed(4)
+    lookups().backward()
+    assert mod.take_weight_grad_sinks() == [w.data_ptr()]
+    assert w.grad is None  # written into the sink, not handed to autograd
+    want = plain.float() + (0.5 if always_add else 0.0)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(sink.float(), want, rtol=tol, atol=tol)
+    if not always_add:
+        assert torch.equal(sink[PAD], torch.zeros_like(sink[PAD]))  # untouched rows zeroed, not left at 0.5
