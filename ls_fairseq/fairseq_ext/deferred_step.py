@@ -228,7 +228,7 @@ class DeferredStepMixin:
         # the learning rate, the step count and the loss scale that depend on it (pending_update.pending_limit)
         self._ls_resolve(in_step=True, keep=pending_limit(scaler) - 1)
         if timer is not None:
-            timer.host_mark("settle the previous update")
+            timer.host_mark("settle an earlier update")
 
         with _label("clip-grads"):
             numer = world if sync_stats else 1
