@@ -39,8 +39,11 @@ is replayed (:meth:`GraphStep.begin_update`).
 All graphs share one memory pool: the activations a forward saves live until its backward has
 run, so the pool holds about one micro-batch's activations whatever the number of buckets. The
 graphs are captured on a bucket's first batch after a short eager warm-up (library handles,
-kernel attributes); :class:`GraphStep` says once in the log why a run or a batch takes the eager
-step instead.
+kernel attributes); each graph is instantiated on a helper thread while this one captures the next,
+and the host, which without a loss scale runs up to three updates ahead of the GPU
+(:mod:`ls_fairseq.fairseq_ext.pending_update`), captures while the GPU works through the updates
+queued before. :class:`GraphStep` says once in the log why a run or a batch takes the eager step
+instead.
 """
 
 import logging
@@ -149,12 +152,15 @@ class GraphStep:
         self.counts = {"graph": 0, "eager": 0}
         self.capture_seconds = 0.0
         # host seconds of the captures by part: tracing the forward / the backward (Python and autograd running
-        # under capture), instantiating those two graphs, and the gradient writes' two small graphs
+        # under capture), ending those two captures and waiting for their instantiation (on the helper thread,
+        # beside the captures that follow), and the gradient writes' small graph
         self.capture_parts = {"forward": 0.0, "backward": 0.0, "instantiate": 0.0, "writes": 0.0}
         self._host = []  # pinned staging buffers, used in turn
         self._host_events = []
         self._turn = 0
         self._dev_in = self._feat_buf = self._grad_buf = None
+        self._instantiator = None  # the helper thread that instantiates captured graphs (_instantiate)
+        self._defer_instantiation = True
         self.grads = GraphGrads(self.model, trainer.data_parallel_world_size)
         import atexit
 
@@ -391,8 +397,9 @@ class GraphStep:
             self.pool = None
         cur = torch.cuda.current_stream()
         self.stream.wait_stream(cur)
-        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        fwd, bwd = self._new_graph(), self._new_graph()
         graph = None
+        pending = []  # the two graphs' instantiations, run beside the captures that follow them
         try:
             with torch.cuda.stream(self.stream):
                 parts = self.capture_parts
@@ -406,6 +413,7 @@ class GraphStep:
                     feats_out.copy_(feats)
                 t1 = time.perf_counter()
                 fwd.capture_end()
+                pending.append(self._instantiate(fwd))
                 t2 = time.perf_counter()
                 parts["forward"] += t1 - t0
                 parts["instantiate"] += t2 - t1
@@ -419,6 +427,7 @@ class GraphStep:
                 torch.autograd.backward(feats, grad_in)
                 t3 = time.perf_counter()
                 bwd.capture_end()
+                pending.append(self._instantiate(bwd))
                 t4 = time.perf_counter()
                 sunk = self.grads.take_sinks()
                 parts["backward"] += t3 - t2
@@ -426,8 +435,17 @@ class GraphStep:
                 graph = None
                 del feats
                 write = self.grads.capture_writes(self.pool, sunk)
-                parts["writes"] += time.perf_counter() - t4
+                t5 = time.perf_counter()
+                parts["writes"] += t5 - t4
+                for done in pending:
+                    done.result()  # an instantiation's error surfaces here
+                parts["instantiate"] += time.perf_counter() - t5  # what the captures did not hide
         except Exception as e:  # noqa: BLE001 - any failure: the eager step for the rest of the run
+            for done in pending:  # no graph is dropped while it is being instantiated
+                try:
+                    done.result()
+                except Exception:  # noqa: BLE001 - the capture failed already
+                    pass
             self.grads.take_sinks()
             self.grads.reattach_body()
             if graph is not None:
@@ -452,6 +470,30 @@ class GraphStep:
         logger.debug("CUDA-graph step: captured %s in %.0f ms", bucket, dt * 1e3)
         return g
 
+    def _new_graph(self):
+        """A graph that :meth:`_instantiate` instantiates (where torch cannot defer it: at the end of its capture)."""
+        if self._defer_instantiation:
+            try:
+                return torch.cuda.CUDAGraph(keep_graph=True)
+            except TypeError:  # a torch without keep_graph
+                self._defer_instantiation = False
+        return torch.cuda.CUDAGraph()
+
+    def _instantiate(self, graph):
+        """Instantiate ``graph`` on a helper thread (the CUDA call releases the GIL), so that it runs while this
+        thread captures the next graph: a future to wait on before the graph is replayed."""
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        if not self._defer_instantiation:
+            done = Future()
+            done.set_result(None)  # capture_end instantiated it
+            return done
+        if self._instantiator is None:
+            self._instantiator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ls_fairseq_graphs",
+                                                    initializer=torch.cuda.set_device,
+                                                    initargs=(torch.cuda.current_device(),))
+        return self._instantiator.submit(graph.instantiate)
+
     def log_summary(self) -> None:
         """One line on what the graphs did so far (at the end of each epoch and of the run)."""
         seen = (self.counts["graph"], self.counts["eager"])
@@ -471,6 +513,9 @@ class GraphStep:
         self.graphs.clear()
         self._dev_in = self._feat_buf = self._grad_buf = None
         self.pool = self.stream = None
+        if self._instantiator is not None:
+            self._instantiator.shutdown(wait=True)
+            self._instantiator = None
 
     def _say(self, key, msg):
         if key not in self._said:
