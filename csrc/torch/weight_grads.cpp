@@ -102,18 +102,19 @@ std::vector<int64_t> take_weight_grad_sinks() {
 
 namespace {
 
-// Under the lock: the sink of the weight at key for a [rows, cols] product of dtype, counted as written, or
-// undefined (none, another shape or dtype). *add: whether the product must be added to it (add mode, or the
-// weight's second use). overwrite_only (a GEMM that cannot add, needing 16-byte aligned output): only a sink the
-// product may overwrite.
-Tensor claim_sink(Sinks& s, const void* key, int64_t rows, int64_t cols, at::ScalarType dtype, bool overwrite_only,
-                  bool* add) {
+// The sink of the weight at key for a [rows, cols] product of dtype, counted as written, or undefined (no capture
+// under way, no sink, another shape or dtype). *add: whether the product must be added to it (add mode, the
+// weight's second use, or an always-added sink). overwrite_only (a GEMM that cannot add, needing 16-byte aligned
+// output): only a sink the product may overwrite.
+Tensor claim_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype, bool overwrite_only, bool* add) {
+  Sinks& s = sinks();
+  if (key == nullptr || !s.armed.load()) return Tensor();
+  std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.dest.find(key);
   if (it == s.dest.end()) return Tensor();
   const Tensor& d = it->second;
   if (d.dim() != 2 || d.size(0) != rows || d.size(1) != cols || d.scalar_type() != dtype) return Tensor();
-  auto hit = s.hits.find(key);
-  *add = s.accumulate || hit != s.hits.end() || s.always_add.count(key) > 0;
+  *add = s.accumulate || s.hits.count(key) > 0 || s.always_add.count(key) > 0;
   if (overwrite_only && (*add || reinterpret_cast<uintptr_t>(d.data_ptr()) % 16 != 0)) return Tensor();
   ++s.hits[key];
   return d;
@@ -122,29 +123,19 @@ Tensor claim_sink(Sinks& s, const void* key, int64_t rows, int64_t cols, at::Sca
 }  // namespace
 
 Tensor weight_grad_overwrite_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype) {
-  Sinks& s = sinks();
-  if (key == nullptr || !s.armed.load()) return Tensor();
-  std::lock_guard<std::mutex> lock(s.mu);
   bool add = false;
-  return claim_sink(s, key, rows, cols, dtype, true, &add);
+  return claim_sink(key, rows, cols, dtype, true, &add);
 }
 
 Tensor weight_grad_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dtype, bool* add) {
-  Sinks& s = sinks();
-  if (key == nullptr || !s.armed.load()) return Tensor();
-  std::lock_guard<std::mutex> lock(s.mu);
-  return claim_sink(s, key, rows, cols, dtype, false, add);
+  return claim_sink(key, rows, cols, dtype, false, add);
 }
 
 Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b) {
-  Sinks& s = sinks();
-  if (!s.armed.load() || a.scalar_type() != b.scalar_type()) return at::mm(a, b);
-  Tensor dest;
   bool add = false;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    dest = claim_sink(s, w.data_ptr(), a.size(0), b.size(1), a.scalar_type(), false, &add);
-  }
+  Tensor dest = a.scalar_type() == b.scalar_type()
+                    ? weight_grad_sink(w.data_ptr(), a.size(0), b.size(1), a.scalar_type(), &add)
+                    : Tensor();
   if (!dest.defined()) return at::mm(a, b);
   if (add)
     dest.addmm_(a, b);

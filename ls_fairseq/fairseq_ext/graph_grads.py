@@ -91,7 +91,7 @@ class GraphGrads:
     def detach_body(self) -> None:
         """Before capturing a backward: unset every body parameter's ``p.grad`` and name its slice of the
         flat buffer as its weight gradient's sink, for this update's mode."""
-        body = self.views()[1]
+        head, body = self.views()
         for p, _ in body:
             p.grad = None
         mod = self._sink_module()
@@ -100,9 +100,9 @@ class GraphGrads:
             mod.set_weight_grad_sinks([p for p, _ in sunk], [v for _, v in sunk], self.mode == "add")
             # the head's weight (with shared embeddings also the tables the body looks up): its slice holds the
             # head's part already, so the body's nodes add theirs there
-            head = [(p, v) for p, v in self.views()[0] if p.dim() == 2]
-            if head:
-                mod.add_weight_grad_sinks([p for p, _ in head], [v for _, v in head])
+            head_weights = [(p, v) for p, v in head if p.dim() == 2]
+            if head_weights:
+                mod.add_weight_grad_sinks([p for p, _ in head_weights], [v for _, v in head_weights])
 
     def take_sinks(self) -> set:
         """After capturing a backward (or when it failed): the data pointers of the parameters whose
