@@ -66,7 +66,15 @@ DEFAULT_BUCKETS = 64
 # trainer is built; LSTrainer reads it when it takes its first step.
 # several_gpus: also in multi-GPU runs (--ls-graph-step on; auto leaves those to the eager step).
 OPTIONS = {"on": False, "several_gpus": False, "buckets": DEFAULT_BUCKETS}
-WARMUP_UPDATES = 2  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
+WARMUP_UPDATES = 1  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
+# Capture pacing. A capture costs the host about two eager micro-batches; captured back to back (the first
+# hundred updates meet most buckets), they outrun the GPU work queued before them and the GPU waits. Within
+# CAPTURE_SPACING micro-batches of the last capture, a batch whose bucket has no graphs yet runs in the cheapest
+# captured bucket that holds it and computes at most STAND_IN_COST times its own bucket's rows (weighed by
+# attention length); its own bucket is captured at a later batch. Only when none is captured does it capture at
+# once. The rule counts micro-batches, not time, so a run's choice of buckets (and its dropout draws) repeats.
+CAPTURE_SPACING = 4
+STAND_IN_COST = 2.0
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
 
 
@@ -149,7 +157,9 @@ class GraphStep:
         self.stream = None
         self.disabled = None  # why graphs were turned off for the rest of the run
         self._said = set()
-        self.counts = {"graph": 0, "eager": 0}
+        self.counts = {"graph": 0, "eager": 0, "stand_in": 0}
+        self._since_capture = CAPTURE_SPACING  # micro-batches since the last capture (capture pacing)
+        self._run_in = set()  # replay=False: the buckets a batch ran in, standing for captured ones
         self.capture_seconds = 0.0
         # host seconds of the captures by part: tracing the forward / the backward (Python and autograd running
         # under capture), ending those two captures and waiting for their instantiation (on the helper thread,
@@ -274,7 +284,9 @@ class GraphStep:
             return None
         if self.model.training is False or self.criterion.training is False:
             return None
+        bucket = self._paced(bucket, shape)
         if not self.replay:
+            self._run_in.add(bucket)
             self.grads.make_zero()  # split_step's backward adds into the flat gradient buffers
             loss, sample_size, log = split_step(self.model, self.criterion, sample, bucket, self.pad, self.eos,
                                                 self.left_pad_source, optimizer=optimizer)
@@ -314,6 +326,29 @@ class GraphStep:
         # stream) alive into the next capture, whose backward would then wait on this stream
         loss, nll = loss.detach(), nll.detach()
         return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
+
+    def _ready(self, bucket) -> bool:
+        """Whether ``bucket`` has graphs for this update's mode (replay=False: whether a batch ran in it)."""
+        if not self.replay:
+            return bucket in self._run_in
+        g = self.graphs.get(bucket)
+        return g is not None and g.mode == self.grads.mode
+
+    def _paced(self, bucket, shape):
+        """The bucket a batch whose cheapest bucket is ``bucket`` runs in (capture pacing, CAPTURE_SPACING)."""
+        self._since_capture += 1
+        if self._ready(bucket):
+            return bucket
+        if self._since_capture <= CAPTURE_SPACING:
+            limit = STAND_IN_COST * bucket.cost
+            for b in self.buckets:  # sorted by cost
+                if b.cost > limit:
+                    break
+                if b is not bucket and self._ready(b) and b.holds(*shape):
+                    self.counts["stand_in"] += 1
+                    return b
+        self._since_capture = 0  # ``bucket`` is captured now
+        return bucket
 
     # ------------------------------------------------------------------ buffers
     @staticmethod
@@ -501,9 +536,10 @@ class GraphStep:
             return
         self._summarised = seen
         parts = ", ".join(f"{v:.1f} s {k}" for k, v in self.capture_parts.items())
-        logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%.1f s capturing: %s), %d "
-                    "batches fitting no bucket", self.counts["graph"], len(self.graphs), self.capture_seconds,
-                    parts, self.counts["eager"])
+        logger.info("CUDA-graph step: %d micro-batches from %d captured buckets (%.1f s capturing: %s; %d ran in a "
+                    "larger bucket while theirs waited for its capture), %d batches fitting no bucket",
+                    self.counts["graph"], len(self.graphs), self.capture_seconds, parts, self.counts["stand_in"],
+                    self.counts["eager"])
 
     def close(self) -> None:
         """Log the summary and release the graphs and their pool while CUDA is still up (at exit)."""

@@ -64,6 +64,11 @@ class PackedBucket:
         """Rows computed by the encoder and the decoder."""
         return self.src_rows + self.tgt_rows
 
+    @property
+    def cost(self) -> float:
+        """Computed rows weighed by the attention length they are launched for (the planner's cost)."""
+        return _bucket_cost(self.src_rows, self.tgt_rows, self.max_len)
+
     def padding_sentences(self, src_tokens: int, tgt_tokens: int) -> int:
         """Sentences the rows a batch of ``src_tokens`` + ``tgt_tokens`` leaves free are split into."""
         L = self.max_len

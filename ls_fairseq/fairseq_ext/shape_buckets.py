@@ -36,6 +36,11 @@ class Bucket:
         """Positions computed by the encoder and the decoder."""
         return self.sentences * (self.src_len + self.tgt_len)
 
+    @property
+    def cost(self) -> float:
+        """What a batch of this bucket computes (the planner's cost: positions)."""
+        return float(self.tokens)
+
     def holds(self, sentences: int, src_len: int, tgt_len: int) -> bool:
         return sentences <= self.sentences and src_len <= self.src_len and tgt_len <= self.tgt_len
 

@@ -78,7 +78,7 @@ def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_p
     two = lightseq_train_two_ranks(data_bin, two_dir, two_dir, flags, backend="nccl")
     one, one_log = _one_gpu(data_bin, one_dir, [*flags, "--update-freq", "2"])
     two_log = (two_dir / "rank0.log").read_text()
-    if step == "on":  # the first two updates are eager (graph_step.WARMUP_UPDATES)
+    if step == "on":  # the first update is eager (graph_step.WARMUP_UPDATES)
         assert _graphed_micro_batches(two_log) >= 8 and _graphed_micro_batches(one_log) >= 16, two_log[-3000:]
         assert "gradients all-reduced after the backward pass, whole buffers" in two_log
         assert "optimizer state sharded" not in two_log and "overlapped with the backward" not in two_log
