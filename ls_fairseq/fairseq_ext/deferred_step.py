@@ -16,8 +16,8 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   The next loss scale is chosen on the GPU from the two values the host precomputes with
   fairseq's own DynamicLossScaler (after an overflow, after a clean step), so update n + 1's
   backward already uses the scale fairseq would use. Without a loss scale (bf16, fp32) no outcome
-  can change the next update, and update n is read during update n + 3 instead: the host may
-  run three updates ahead (:func:`~ls_fairseq.fairseq_ext.pending_update.pending_limit`);
+  can change the next update, and update n is read during update n + 5 instead: the host may
+  run five updates ahead (:func:`~ls_fairseq.fairseq_ext.pending_update.pending_limit`);
 * the update is resolved at once (one wait) whenever something reads the exact count: updates
   that end a --log-interval, --save-interval-updates, --validate-interval-updates or
   --max-update, the last update of an epoch, and before checkpoints, validation and
@@ -224,7 +224,7 @@ class DeferredStepMixin:
 
         if timer is not None:
             timer.host_mark("gradient reduction")
-        # the update before (with a loss scale) or the third before (without): settle it before this one uses
+        # the update before (with a loss scale) or the fifth before (without): settle it before this one uses
         # the learning rate, the step count and the loss scale that depend on it (pending_update.pending_limit)
         self._ls_resolve(in_step=True, keep=pending_limit(scaler) - 1)
         if timer is not None:

@@ -40,7 +40,7 @@ All graphs share one memory pool: the activations a forward saves live until its
 run, so the pool holds about one micro-batch's activations whatever the number of buckets. The
 graphs are captured on a bucket's first batch after a short eager warm-up (library handles,
 kernel attributes); each graph is instantiated on a helper thread while this one captures the next,
-and the host, which without a loss scale runs up to three updates ahead of the GPU
+and the host, which without a loss scale runs up to five updates ahead of the GPU
 (:mod:`ls_fairseq.fairseq_ext.pending_update`), captures while the GPU works through the updates
 queued before. :class:`GraphStep` says once in the log why a run or a batch takes the eager step
 instead.
@@ -73,7 +73,7 @@ WARMUP_UPDATES = 1  # eager updates before the first capture (cuBLAS handles, wo
 # captured bucket that holds it and computes at most STAND_IN_COST times its own bucket's rows (weighed by
 # attention length); its own bucket is captured at a later batch. Only when none is captured does it capture at
 # once. The rule counts micro-batches, not time, so a run's choice of buckets (and its dropout draws) repeats.
-CAPTURE_SPACING = 4
+CAPTURE_SPACING = 6
 STAND_IN_COST = 2.0
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
 
@@ -222,7 +222,7 @@ class GraphStep:
             if self.graphs:  # graphs read the old buffers: capture again
                 self.graphs.clear()
             self._dev_in = torch.zeros(n_in, dtype=torch.int64, device=dev)
-            self._host = [torch.zeros(n_in, dtype=torch.int64, pin_memory=True) for _ in range(4)]
+            self._host = [torch.zeros(n_in, dtype=torch.int64, pin_memory=True) for _ in range(16)]
             self._host_events = [None] * len(self._host)
         if self._feat_buf is None or self._feat_buf.numel() < n_feat or self._feat_buf.dtype != dtype:
             self.graphs.clear()

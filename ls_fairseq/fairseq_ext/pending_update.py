@@ -10,10 +10,9 @@ How many updates may be pending (:func:`pending_limit`): with fp16's dynamic los
 overflow of update n changes the loss scale, the learning rate and the step count that update n + 1
 uses, so update n is settled during update n + 1, before its optimizer step. Without a loss scale
 (bf16, fp32) nothing an update's outcome decides reaches the next updates (a non-finite gradient
-stops training), and three may be pending: update n is settled during update n + 3, so the host runs
-up to three updates ahead of the GPU and host work longer than one update (a CUDA-graph capture, a
-slow batch) hides behind the GPU's queue. (The CUDA-graph step's four staging buffers for the
-batches bound how far ahead it can run.) Updates are settled in order, so the logged statistics are the
+stops training), and PENDING_WITHOUT_SCALE (5) may be pending: update n is settled during update
+n + 5, so the host runs up to five updates ahead of the GPU and host work longer than one update (a
+CUDA-graph capture, tens of milliseconds; a slow batch) hides behind the GPU's queue. Updates are settled in order, so the logged statistics are the
 same either way. :meth:`PendingUpdateMixin._count_is_read_after` tells which updates are settled at
 once because fairseq's loop acts on the update count after them. :class:`PendingUpdateMixin` holds
 methods of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
@@ -62,9 +61,13 @@ class _PendingStep:
         return self.host.tolist()
 
 
+PENDING_WITHOUT_SCALE = 5
+
+
 def pending_limit(scaler) -> int:
-    """How many updates may be pending at once (module docstring): 1 with a dynamic loss scale, else 3."""
-    return 1 if scaler is not None else 3
+    """How many updates may be pending at once (module docstring): 1 with a dynamic loss scale, else
+    PENDING_WITHOUT_SCALE."""
+    return 1 if scaler is not None else PENDING_WITHOUT_SCALE
 
 
 OVERFLOW_STREAK_LIMIT = 50  # consecutive fp16 overflows after which training stops (the loss scale cannot help)
