@@ -186,7 +186,8 @@ __global__ void __launch_bounds__(kCeThreads) ls_ce_bwd_kernel(const T* logits,
   ce_grad_row<T, VEC, kCeThreads>(logits + row * V, dlogits + row * V, V, t, ignored, lse, c);
 }
 
-// logits [N, V] are overwritten by d(g_loss * sum of losses)/dlogits; losses [2, N] as the forward's.
+// logits [N, V] are overwritten by d(g_loss * sum of losses)/dlogits (g_loss null: 1); losses [2, N] as the
+// forward's.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_kernel(T* logits,
                                                                         const int64_t* __restrict__ target,
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_kernel(T* logit
     losses[row] = loss;
     losses[N + row] = nll;
     sh_lse = lse;
-    sh_c = ce_grad_coeffs(*g_loss, 0.f, eps, V);
+    sh_c = ce_grad_coeffs(g_loss != nullptr ? *g_loss : 1.f, 0.f, eps, V);
   }
   __syncthreads();
   ce_grad_row<T, VEC, kCeFusedThreads>(x, x, V, t, false, sh_lse, sh_c);

@@ -114,7 +114,8 @@ void ls_cross_entropy_bwd(DType dt, const void* logits, const int64_t* target, c
                           const float* g_loss, const float* g_nll, void* dlogits, int64_t N, int V, float epsilon,
                           int64_t ignore_index, cudaStream_t stream);
 // Both in one pass (the training step's head): losses as the forward's, and logits (written in place) =
-// d(g_loss * sum of losses[0])/dlogits, the backward's gradient with g_nll = 0; g_loss is a device fp32 scalar.
+// d(g_loss * sum of losses[0])/dlogits, the backward's gradient with g_nll = 0; g_loss is a device fp32 scalar
+// (null: 1).
 void ls_cross_entropy_fwd_bwd(DType dt, void* logits, const int64_t* target, float* losses, const float* g_loss,
                               int64_t N, int V, float epsilon, int64_t ignore_index, cudaStream_t stream);
 
