@@ -353,21 +353,22 @@ def test_several_gpus_take_the_graphs_only_when_asked(monkeypatch):
     assert "model" in graph_step.unsupported_reason(trainer("legacy_ddp"))  # past the GPU checks, on to the model
 
 
-def test_captures_are_paced_and_a_waiting_bucket_runs_in_a_captured_one_that_holds_it():
-    """Within CAPTURE_SPACING micro-batches of a capture, a batch whose own bucket has no graphs runs in the cheapest
-    captured bucket that holds it (if that computes at most STAND_IN_COST times as much); otherwise it captures."""
+def test_captures_are_paced_and_a_waiting_bucket_runs_in_a_captured_one_that_holds_it(monkeypatch):
+    """Until the batches since the last capture have computed CAPTURE_SPACING_ROWS rows, a batch whose own bucket has
+    no graphs runs in the cheapest captured bucket that holds it (if that computes at most STAND_IN_COST times as
+    much); otherwise it captures."""
     from ls_fairseq.fairseq_ext import graph_step
     from ls_fairseq.fairseq_ext.shape_buckets import Bucket
 
     small, mid, big = Bucket(8, 16, 16), Bucket(8, 24, 24), Bucket(32, 64, 64)
     assert small.cost < mid.cost <= graph_step.STAND_IN_COST * small.cost < big.cost
-    spacing = graph_step.CAPTURE_SPACING
+    monkeypatch.setattr(graph_step, "CAPTURE_SPACING_ROWS", 3 * mid.tokens)
 
     def engine():
         eng = graph_step.GraphStep.__new__(graph_step.GraphStep)
         eng.replay, eng.buckets, eng._run_in = False, [small, mid, big], set()
         eng.counts = {"stand_in": 0}
-        eng._since_capture = spacing
+        eng._rows_since_capture = graph_step.CAPTURE_SPACING_ROWS
         return eng
 
     def run(eng, home, shape):
@@ -378,12 +379,12 @@ def test_captures_are_paced_and_a_waiting_bucket_runs_in_a_captured_one_that_hol
     eng = engine()
     assert run(eng, big, (20, 40, 40)) is big  # nothing captured: capture
     assert run(eng, mid, (8, 20, 20)) is mid  # right after, but only big holds it, at 10x the cost: capture
-    # right after mid's capture, a batch of small's runs in mid until CAPTURE_SPACING batches have passed
-    assert [run(eng, small, (8, 10, 10)) for _ in range(spacing)] == [mid] * spacing
-    assert eng.counts["stand_in"] == spacing
+    # right after mid's capture, batches of small's run in mid until they have computed 3 x mid's rows
+    assert [run(eng, small, (8, 10, 10)) for _ in range(3)] == [mid] * 3
+    assert eng.counts["stand_in"] == 3
     assert run(eng, small, (8, 10, 10)) is small  # captured now
     assert run(eng, small, (8, 16, 12)) is small and run(eng, mid, (4, 24, 1)) is mid  # ready: always their own
-    assert eng.counts["stand_in"] == spacing
+    assert eng.counts["stand_in"] == 3 and eng._rows_since_capture == small.tokens + mid.tokens
     # a stand-in must hold the batch: fewer sentences than it has, at a cost within the limit
     tiny, few = Bucket(8, 8, 8), Bucket(4, 20, 20)
     assert tiny.cost < few.cost <= graph_step.STAND_IN_COST * tiny.cost

@@ -68,12 +68,14 @@ DEFAULT_BUCKETS = 64
 OPTIONS = {"on": False, "several_gpus": False, "buckets": DEFAULT_BUCKETS}
 WARMUP_UPDATES = 1  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
 # Capture pacing. A capture costs the host about two eager micro-batches; captured back to back (the first
-# hundred updates meet most buckets), they outrun the GPU work queued before them and the GPU waits. Within
-# CAPTURE_SPACING micro-batches of the last capture, a batch whose bucket has no graphs yet runs in the cheapest
-# captured bucket that holds it and computes at most STAND_IN_COST times its own bucket's rows (weighed by
-# attention length); its own bucket is captured at a later batch. Only when none is captured does it capture at
-# once. The rule counts micro-batches, not time, so a run's choice of buckets (and its dropout draws) repeats.
-CAPTURE_SPACING = 6
+# hundred updates meet most buckets), they outrun the GPU work queued before them and the GPU waits. Until the
+# batches run since the last capture have computed CAPTURE_SPACING_ROWS rows (source + target, as their buckets
+# have them: about six batches of transformer-big at --max-tokens 4096, three at 8192, some 80 ms of H100/H200 GPU
+# time), a batch whose bucket has no graphs yet runs in the cheapest captured bucket that holds it and computes at
+# most STAND_IN_COST times its own bucket's rows (weighed by attention length); its own bucket is captured at a
+# later batch. Only when none is captured does it capture at once. The rule counts rows, not time, so a run's
+# choice of buckets (and its dropout draws) repeats.
+CAPTURE_SPACING_ROWS = 40960
 STAND_IN_COST = 2.0
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
 
@@ -158,7 +160,7 @@ class GraphStep:
         self.disabled = None  # why graphs were turned off for the rest of the run
         self._said = set()
         self.counts = {"graph": 0, "eager": 0, "stand_in": 0}
-        self._since_capture = CAPTURE_SPACING  # micro-batches since the last capture (capture pacing)
+        self._rows_since_capture = CAPTURE_SPACING_ROWS  # rows the batches since the last capture computed (pacing)
         self._run_in = set()  # replay=False: the buckets a batch ran in, standing for captured ones
         self.capture_seconds = 0.0
         # host seconds of the captures by part: tracing the forward / the backward (Python and autograd running
@@ -335,19 +337,20 @@ class GraphStep:
         return g is not None and g.mode == self.grads.mode
 
     def _paced(self, bucket, shape):
-        """The bucket a batch whose cheapest bucket is ``bucket`` runs in (capture pacing, CAPTURE_SPACING)."""
-        self._since_capture += 1
-        if self._ready(bucket):
-            return bucket
-        if self._since_capture <= CAPTURE_SPACING:
+        """The bucket a batch whose cheapest bucket is ``bucket`` runs in (capture pacing, CAPTURE_SPACING_ROWS)."""
+        if not self._ready(bucket) and self._rows_since_capture < CAPTURE_SPACING_ROWS:
             limit = STAND_IN_COST * bucket.cost
             for b in self.buckets:  # sorted by cost
                 if b.cost > limit:
                     break
                 if b is not bucket and self._ready(b) and b.holds(*shape):
                     self.counts["stand_in"] += 1
-                    return b
-        self._since_capture = 0  # ``bucket`` is captured now
+                    bucket = b
+                    break
+        if self._ready(bucket):
+            self._rows_since_capture += bucket.tokens
+        else:
+            self._rows_since_capture = 0  # ``bucket`` is captured now
         return bucket
 
     # ------------------------------------------------------------------ buffers
