@@ -80,10 +80,10 @@ std::vector<Tensor> ls_cross_entropy_fwd_bwd(const Tensor& logits, const Tensor&
   c10::cuda::CUDAGuard guard(logits.device());
   const int64_t N = logits.size(0);
   Tensor losses = at::empty({2, N}, f32);
+  const float* scale = present(grad_scale) ? grad_scale->data_ptr<float>() : nullptr;  // null: 1
   launch(op, [&] {
-    ls::ls_cross_entropy_fwd_bwd(dt, logits.data_ptr(), target.data_ptr<int64_t>(), losses.data_ptr<float>(),
-                                 present(grad_scale) ? grad_scale->data_ptr<float>() : nullptr, N, checked_int(op, "vocab", logits.size(1)),
-                                 (float)epsilon, ignore_index, stream());
+    ls::ls_cross_entropy_fwd_bwd(dt, logits.data_ptr(), target.data_ptr<int64_t>(), losses.data_ptr<float>(), scale,
+                                 N, checked_int(op, "vocab", logits.size(1)), (float)epsilon, ignore_index, stream());
   });
   torch::autograd::impl::bump_version(logits);
   Tensor sums = N > 0 ? losses.sum(1) : at::zeros({2}, f32);

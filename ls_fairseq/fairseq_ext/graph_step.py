@@ -39,11 +39,12 @@ is replayed (:meth:`GraphStep.begin_update`).
 All graphs share one memory pool: the activations a forward saves live until its backward has
 run, so the pool holds about one micro-batch's activations whatever the number of buckets. The
 graphs are captured on a bucket's first batch after a short eager warm-up (library handles,
-kernel attributes); each graph is instantiated on a helper thread while this one captures the next,
-and the host, which without a loss scale runs up to five updates ahead of the GPU
-(:mod:`ls_fairseq.fairseq_ext.pending_update`), captures while the GPU works through the updates
-queued before. :class:`GraphStep` says once in the log why a run or a batch takes the eager step
-instead.
+kernel attributes), paced (CAPTURE_SPACING_ROWS: until a few batches have run since the last
+capture, a batch whose bucket waits for its graphs runs in a larger captured bucket). Each graph
+is instantiated on a helper thread while this one captures the next, and the host, which without
+a loss scale runs up to five updates ahead of the GPU (:mod:`ls_fairseq.fairseq_ext.pending_update`),
+captures while the GPU works through the updates queued before. :class:`GraphStep` says once in
+the log why a run or a batch takes the eager step instead.
 """
 
 import logging
@@ -167,7 +168,9 @@ class GraphStep:
         # under capture), ending those two captures and waiting for their instantiation (on the helper thread,
         # beside the captures that follow), and the gradient writes' small graph
         self.capture_parts = {"forward": 0.0, "backward": 0.0, "instantiate": 0.0, "writes": 0.0}
-        self._host = []  # pinned staging buffers, used in turn
+        # pinned staging buffers, used in turn: 16 batches may be in flight (five updates pending, with
+        # --update-freq up to 3; beyond that the buffers, not the pending limit, bound how far the host runs ahead)
+        self._host = []
         self._host_events = []
         self._turn = 0
         self._dev_in = self._feat_buf = self._grad_buf = None
