@@ -1,0 +1,49 @@
+"""benchmarks/first_epoch.py's analysis (the recording needs a GPU) on a made-up record whose answer is known."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import first_epoch  # noqa: E402
+
+
+def _record():
+    """Epoch 1: an eager update (50 ms of GPU time), a capture (the GPU waits 30 ms for it), then replays; epoch 2:
+    the same buckets at their plain cost (bucket A 10 ms, bucket B 20 ms). Host time = GPU time from zero."""
+    steps, t = [], 0.0
+
+    def add(bucket, gpu_ms, capture_ms=0.0, wait_ms=0.0):
+        nonlocal t
+        g0 = t
+        t += (wait_ms + gpu_ms) / 1e3
+        steps.append({"h0": g0, "h1": t, "g0": g0, "g1": t, "bucket": bucket, "capture": capture_ms / 1e3})
+
+    add(None, 50.0)                         # eager: 40 ms over the median of all epoch-2 updates (10 ms)
+    add("A", 10.0, capture_ms=30.0, wait_ms=30.0)  # early capture: the GPU waited 30 ms
+    add("A", 10.0)
+    add("B", 25.0)                          # 5 ms over B's median, right after the capture
+    for _ in range(20):
+        add("A", 10.0)
+    add("B", 20.0, capture_ms=5.0)          # a later capture, hidden: no excess
+    e1 = (0.0, t, 0, len(steps))
+    n2 = len(steps)
+    for b in ["A"] * 6 + ["B"] * 3:
+        add(b, 10.0 if b == "A" else 20.0)
+    return {"steps": steps, "epochs": [e1, (e1[1], t, n2, len(steps))]}
+
+
+def test_first_epoch_analysis_splits_the_extra_time_by_cause():
+    out = first_epoch.analyze(_record())
+    parts = out["parts"]
+    assert parts["eager updates"] == pytest.approx(0.040)
+    assert parts["captures, early"] == pytest.approx(0.030)
+    assert parts["after a capture"] == pytest.approx(0.005)
+    assert parts["captures, later"] == pytest.approx(0.0, abs=1e-9)
+    assert parts["other updates"] == pytest.approx(0.0, abs=1e-9)
+    assert out["captures"] == 2 and out["capture_host"] == pytest.approx(0.035)
+    assert out["epoch1"] == pytest.approx(0.345) and out["epoch2"] == pytest.approx(0.120)
+    assert out["queue"][0][0] == 1 and out["queue"][0][1] == pytest.approx(0.0, abs=1e-6)  # nothing queued at update 1
+    assert any("epoch 1 / steady" in line for line in out["lines"])
