@@ -22,6 +22,7 @@
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "torch/ops.h"
 
@@ -33,8 +34,8 @@ struct Sinks {
   std::mutex mu;
   std::atomic<bool> armed{false};  // the common case (no capture under way) without taking the lock
   std::unordered_map<const void*, Tensor> dest;
-  std::unordered_map<const void*, int64_t> hits;
-  std::unordered_map<const void*, bool> always_add;  // add_weight_grad_sinks' entries
+  std::unordered_set<const void*> hits;        // the sinks written so far
+  std::unordered_set<const void*> always_add;  // add_weight_grad_sinks' entries
   bool accumulate = false;
 };
 
@@ -42,10 +43,6 @@ Sinks& sinks() {
   static Sinks s;
   return s;
 }
-
-}  // namespace
-
-namespace {
 
 void check_sinks(const char* op, const std::vector<Tensor>& params, const std::vector<Tensor>& dests) {
   LS_CHECK(params.size() == dests.size(), op, ": ", params.size(), " parameters but ", dests.size(),
@@ -82,7 +79,7 @@ void add_weight_grad_sinks(const std::vector<Tensor>& params, const std::vector<
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].numel() == 0) continue;
     s.dest[params[i].data_ptr()] = dests[i];
-    s.always_add[params[i].data_ptr()] = true;
+    s.always_add.insert(params[i].data_ptr());
   }
   s.armed.store(!s.dest.empty());
 }
@@ -92,7 +89,7 @@ std::vector<int64_t> take_weight_grad_sinks() {
   std::lock_guard<std::mutex> lock(s.mu);
   std::vector<int64_t> hit;
   hit.reserve(s.hits.size());
-  for (const auto& kv : s.hits) hit.push_back(reinterpret_cast<int64_t>(kv.first));
+  for (const void* key : s.hits) hit.push_back(reinterpret_cast<int64_t>(key));
   s.dest.clear();
   s.hits.clear();
   s.always_add.clear();
@@ -116,7 +113,7 @@ Tensor claim_sink(const void* key, int64_t rows, int64_t cols, at::ScalarType dt
   if (d.dim() != 2 || d.size(0) != rows || d.size(1) != cols || d.scalar_type() != dtype) return Tensor();
   *add = s.accumulate || s.hits.count(key) > 0 || s.always_add.count(key) > 0;
   if (overwrite_only && (*add || reinterpret_cast<uintptr_t>(d.data_ptr()) % 16 != 0)) return Tensor();
-  ++s.hits[key];
+  s.hits.insert(key);
   return d;
 }
 

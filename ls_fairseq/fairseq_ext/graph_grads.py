@@ -131,8 +131,10 @@ class GraphGrads:
         _, body = self.views()
         # in write mode a gradient adds to its slice where a sink already wrote part of it (a weight that a
         # node writing its sink and a node handing its gradient to autograd both use)
-        add = [(v, p.grad) for p, v in body if p.grad is not None and (self.mode == "add" or p.data_ptr() in sunk)]
-        copy = [(v, p.grad) for p, v in body if p.grad is not None and self.mode == "write" and p.data_ptr() not in sunk]
+        add, copy = [], []
+        for p, v in body:
+            if p.grad is not None:
+                (add if self.mode == "add" or p.data_ptr() in sunk else copy).append((v, p.grad))
         unreached = [v for p, v in body if p.grad is None and p.data_ptr() not in sunk]
         graph = torch.cuda.CUDAGraph()
         try:

@@ -13,9 +13,10 @@ uses, so update n is settled during update n + 1, before its optimizer step. Wit
 stops training), and PENDING_WITHOUT_SCALE (5) may be pending: update n is settled during update
 n + 5, so the host runs up to five updates ahead of the GPU and host work longer than one update (a
 CUDA-graph capture, tens of milliseconds; a slow batch) hides behind the GPU's queue. Updates are
-settled in order, so the logged statistics are the same either way. :meth:`PendingUpdateMixin._count_is_read_after` tells which updates are settled at
-once because fairseq's loop acts on the update count after them. :class:`PendingUpdateMixin` holds
-methods of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
+settled in order, so the logged statistics are the same either way.
+:meth:`PendingUpdateMixin._count_is_read_after` tells which updates are settled at once because
+fairseq's loop acts on the update count after them. :class:`PendingUpdateMixin` holds methods of
+:class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
 """
 
 import logging
