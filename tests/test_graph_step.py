@@ -356,7 +356,7 @@ def test_several_gpus_take_the_graphs_only_when_asked(monkeypatch):
 def test_captures_are_paced_and_a_waiting_bucket_runs_in_a_captured_one_that_holds_it(monkeypatch):
     """Until the batches since the last capture have computed CAPTURE_SPACING_ROWS rows, a batch whose own bucket has
     no graphs runs in the cheapest captured bucket that holds it (if that computes at most STAND_IN_COST times as
-    much); otherwise it captures."""
+    much); otherwise it captures. An update that waited for the GPU to finish starts the count again."""
     from ls_fairseq.fairseq_ext import graph_step
     from ls_fairseq.fairseq_ext.shape_buckets import Bucket
 
@@ -385,6 +385,11 @@ def test_captures_are_paced_and_a_waiting_bucket_runs_in_a_captured_one_that_hol
     assert run(eng, small, (8, 10, 10)) is small  # captured now
     assert run(eng, small, (8, 16, 12)) is small and run(eng, mid, (4, 24, 1)) is mid  # ready: always their own
     assert eng.counts["stand_in"] == 3 and eng._rows_since_capture == small.tokens + mid.tokens
+    # after an update that waited for the GPU to finish (a log line), the count starts again: no capture yet
+    eng._run_in.discard(small)
+    eng._rows_since_capture = graph_step.CAPTURE_SPACING_ROWS
+    eng.queue_drained()
+    assert run(eng, small, (8, 10, 10)) is mid and eng.counts["stand_in"] == 4
     # a stand-in must hold the batch: fewer sentences than it has, at a cost within the limit
     tiny, few = Bucket(8, 8, 8), Bucket(4, 20, 20)
     assert tiny.cost < few.cost <= graph_step.STAND_IN_COST * tiny.cost

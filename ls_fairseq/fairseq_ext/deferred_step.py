@@ -16,8 +16,8 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   The next loss scale is chosen on the GPU from the two values the host precomputes with
   fairseq's own DynamicLossScaler (after an overflow, after a clean step), so update n + 1's
   backward already uses the scale fairseq would use. Without a loss scale (bf16, fp32) no outcome
-  can change the next update, and update n is read during update n + 5 instead: the host may
-  run five updates ahead (:func:`~ls_fairseq.fairseq_ext.pending_update.pending_limit`);
+  can change the next update, and update n is read during update n + 10 instead: the host may
+  run ten updates ahead (:func:`~ls_fairseq.fairseq_ext.pending_update.pending_limit`);
 * the update is resolved at once (one wait) whenever something reads the exact count: updates
   that end a --log-interval, --save-interval-updates, --validate-interval-updates or
   --max-update, the last update of an epoch, and before checkpoints, validation and
@@ -297,6 +297,9 @@ class DeferredStepMixin:
         pending.output = out
         if self._count_is_read_after(num_updates):
             self._ls_resolve()
+            graphs = self.__dict__.get("_ls_graphs")
+            if graphs is not None:
+                graphs.queue_drained()
         metrics.log_stop_time("train_wall")
         if timer is not None:
             timer.host_end()

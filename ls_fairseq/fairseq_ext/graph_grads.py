@@ -10,16 +10,16 @@ backward with every body parameter's ``p.grad`` unset, and:
   weight keeps its flat view as ``p.grad`` and is a sink that is always added to
   (``add_weight_grad_sinks``): with shared embeddings the body's lookups add their rows to it;
 * leaves the other gradients (biases, layer norms, the FP8 projections, whose nodes keep only the
-  weights' codes) to autograd, which hands each over as a tensor of the graph pool, and captures
-  one small graph that moves them into the flat buffer with one multi-tensor operation.
+  weights' codes) to autograd, which hands each over as a tensor of the graph pool, and ends the
+  backward's capture with one multi-tensor operation that moves them into the flat buffer.
 
 Two modes, chosen per update from its number of micro-batches:
 
-* ``write`` for an update of one micro-batch: the GEMMs overwrite their sinks and the small graph
-  copies (and zeroes the slices of parameters the body does not reach); the buffer is not zeroed
+* ``write`` for an update of one micro-batch: the GEMMs overwrite their sinks and the moves copy
+  (and zero the slices of parameters the body does not reach); the buffer is not zeroed
   beforehand;
 * ``add`` for the micro-batches of ``--update-freq`` > 1: the buffer is zeroed when the update
-  begins, the GEMMs add into their sinks (beta = 1) and the small graph adds.
+  begins, the GEMMs add into their sinks (beta = 1) and the moves add.
 
 Each bucket's graphs are captured for one mode; when the mode changes (``--update-freq`` varying
 by epoch) they are captured again. The head (vocabulary projection and loss) runs eagerly between
@@ -122,12 +122,12 @@ class GraphGrads:
         for p, v in self.views()[1]:
             p.grad = v
 
-    def capture_writes(self, pool, sunk: set) -> torch.cuda.CUDAGraph:
-        """The graph moving the gradients that the backward just captured left in the pool into the
-        flat buffers, for this update's mode (call on the capture stream, right after the backward's
-        capture; ``sunk``: :meth:`take_sinks`' answer). ``write``: a copy, and the slices of parameters
-        the body does not reach are zeroed; ``add``: an addition. The body's ``p.grad`` are the flat
-        views again afterwards."""
+    def move_pool_grads(self, sunk: set) -> None:
+        """Move the gradients that autograd just handed over in the pool into the flat buffers, for this
+        update's mode; called inside the backward's capture, right after ``torch.autograd.backward``, so the
+        moves are the last kernels of the backward graph (``sunk``: :meth:`take_sinks`' answer). ``write``: a
+        copy, and the slices of parameters the body does not reach are zeroed; ``add``: an addition. The
+        body's ``p.grad`` are the flat views again afterwards."""
         _, body = self.views()
         # in write mode a gradient adds to its slice where a sink already wrote part of it (a weight that a
         # node writing its sink and a node handing its gradient to autograd both use)
@@ -136,30 +136,23 @@ class GraphGrads:
             if p.grad is not None:
                 (add if self.mode == "add" or p.data_ptr() in sunk else copy).append((v, p.grad))
         unreached = [v for p, v in body if p.grad is None and p.data_ptr() not in sunk]
-        graph = torch.cuda.CUDAGraph()
         try:
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                if copy:
-                    torch._foreach_copy_([d for d, _ in copy], [g for _, g in copy])
-                if add:
-                    torch._foreach_add_([d for d, _ in add], [g for _, g in add])
-                if unreached and self.mode == "write":
-                    torch._foreach_zero_(unreached)
-            finally:
-                graph.capture_end()
+            if copy:
+                torch._foreach_copy_([d for d, _ in copy], [g for _, g in copy])
+            if add:
+                torch._foreach_add_([d for d, _ in add], [g for _, g in add])
+            if unreached and self.mode == "write":
+                torch._foreach_zero_(unreached)
         finally:
-            self.reattach_body()  # the pool's gradient tensors belong to the graphs from here on
-        return graph
+            self.reattach_body()  # the pool's gradient tensors belong to the graph from here on
 
     def can_replay(self, mode: str) -> bool:
         """Whether graphs captured for ``mode`` may write this micro-batch's gradients: ``write`` graphs
         overwrite, so only as the update's first writer."""
         return mode == self.mode and (mode == "add" or self.fresh)
 
-    def replay_write(self, graph) -> None:
-        """After a bucket's backward replay: the rest of its gradients into the flat buffers."""
-        graph.replay()
+    def replayed(self) -> None:
+        """After a bucket's backward replay: the buffers hold this update's gradients."""
         self.fresh = False
 
     # ------------------------------------------------------------------ views

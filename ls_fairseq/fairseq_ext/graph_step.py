@@ -18,7 +18,7 @@ gradient of the decoder features into the parameters' gradient buffers (the arit
    output projection's gradient and write the features' gradient (a handful of kernels, no autograd:
    :func:`~ls_fairseq.fairseq_ext.split_step.head_step`);
 4. the backward graph replayed: the linear layers' weight-gradient GEMMs write straight into
-   ls_adam's flat gradient buffer, and one small graph after it moves the other body gradients
+   ls_adam's flat gradient buffer, and the graph's last kernels move the other body gradients
    (biases, layer norms) there: overwriting for an update of one micro-batch (the buffer is not
    zeroed beforehand), adding for the micro-batches of ``--update-freq`` > 1
    (:mod:`ls_fairseq.fairseq_ext.graph_grads`).
@@ -42,7 +42,7 @@ graphs are captured on a bucket's first batch after a short eager warm-up (libra
 kernel attributes), paced (CAPTURE_SPACING_ROWS: until a few batches have run since the last
 capture, a batch whose bucket waits for its graphs runs in a larger captured bucket). Each graph
 is instantiated on a helper thread while this one captures the next, and the host, which without
-a loss scale runs up to five updates ahead of the GPU (:mod:`ls_fairseq.fairseq_ext.pending_update`),
+a loss scale runs up to ten updates ahead of the GPU (:mod:`ls_fairseq.fairseq_ext.pending_update`),
 captures while the GPU works through the updates queued before. :class:`GraphStep` says once in
 the log why a run or a batch takes the eager step instead.
 """
@@ -71,14 +71,25 @@ WARMUP_UPDATES = 1  # eager updates before the first capture (cuBLAS handles, wo
 # Capture pacing. A capture costs the host about two eager micro-batches; captured back to back (the first
 # hundred updates meet most buckets), they outrun the GPU work queued before them and the GPU waits. Until the
 # batches run since the last capture have computed CAPTURE_SPACING_ROWS rows (source + target, as their buckets
-# have them: about six batches of transformer-big at --max-tokens 4096, three at 8192, some 80 ms of H100/H200 GPU
-# time), a batch whose bucket has no graphs yet runs in the cheapest captured bucket that holds it and computes at
-# most STAND_IN_COST times its own bucket's rows (weighed by attention length); its own bucket is captured at a
-# later batch. Only when none is captured does it capture at once. The rule counts rows, not time, so a run's
-# choice of buckets (and its dropout draws) repeats.
-CAPTURE_SPACING_ROWS = 40960
+# have them: about twelve batches of transformer-big at --max-tokens 4096, six at 8192, some 160 ms of H100/H200
+# GPU time, in which the host, running ahead, refills the queue a capture drained), a batch whose bucket has no
+# graphs yet runs in the cheapest captured bucket that holds it and computes at most STAND_IN_COST times its own
+# bucket's rows (weighed by attention length); its own bucket is captured at a later batch. Only when none is
+# captured does it capture at once. An update after which the host waited for the GPU to finish everything (a
+# log line, the end of an epoch) starts the count again (:meth:`GraphStep.queue_drained`). The rule counts rows
+# and updates, not time, so a run's choice of buckets (and its dropout draws) repeats.
+CAPTURE_SPACING_ROWS = 81920
 STAND_IN_COST = 2.0
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
+
+
+def _staging_buffers() -> int:
+    """Pinned staging buffers for the batches' transfers: one per batch that may be in flight, for the updates that
+    may be pending with --update-freq up to 3 (beyond that the buffers, not the pending limit, bound how far the
+    host runs ahead)."""
+    from ls_fairseq.fairseq_ext import pending_update
+
+    return 3 * pending_update.PENDING_WITHOUT_SCALE + 1
 
 
 # ----------------------------------------------------------------------------- eligibility
@@ -121,12 +132,11 @@ def unsupported_reason(trainer) -> Optional[str]:
 # ----------------------------------------------------------------------------- the engine
 class _Graphs:
     """One bucket's captured forward and backward and the views they read and write. The backward
-    writes the linear weights' gradients into the flat gradient buffer and leaves the other body
-    gradients in the pool; ``write`` moves those into the flat buffer, for ``mode``
+    writes all body gradients into the flat gradient buffer, for ``mode``
     (:mod:`ls_fairseq.fairseq_ext.graph_grads`)."""
 
-    def __init__(self, fwd, bwd, write, mode, feats, grad):
-        self.fwd, self.bwd, self.write, self.mode = fwd, bwd, write, mode
+    def __init__(self, fwd, bwd, mode, feats, grad):
+        self.fwd, self.bwd, self.mode = fwd, bwd, mode
         self.feats, self.grad = feats, grad
 
 
@@ -166,10 +176,9 @@ class GraphStep:
         self.capture_seconds = 0.0
         # host seconds of the captures by part: tracing the forward / the backward (Python and autograd running
         # under capture), ending those two captures and waiting for their instantiation (on the helper thread,
-        # beside the captures that follow), and the gradient writes' small graph
-        self.capture_parts = {"forward": 0.0, "backward": 0.0, "instantiate": 0.0, "writes": 0.0}
-        # pinned staging buffers, used in turn: 16 batches may be in flight (five updates pending, with
-        # --update-freq up to 3; beyond that the buffers, not the pending limit, bound how far the host runs ahead)
+        # beside the captures that follow)
+        self.capture_parts = {"forward": 0.0, "backward": 0.0, "instantiate": 0.0}
+        # pinned staging buffers, used in turn, one per batch that may be in flight (_staging_buffers)
         self._host = []
         self._host_events = []
         self._turn = 0
@@ -227,7 +236,7 @@ class GraphStep:
             if self.graphs:  # graphs read the old buffers: capture again
                 self.graphs.clear()
             self._dev_in = torch.zeros(n_in, dtype=torch.int64, device=dev)
-            self._host = [torch.zeros(n_in, dtype=torch.int64, pin_memory=True) for _ in range(16)]
+            self._host = [torch.zeros(n_in, dtype=torch.int64, pin_memory=True) for _ in range(_staging_buffers())]
             self._host_events = [None] * len(self._host)
         if self._feat_buf is None or self._feat_buf.numel() < n_feat or self._feat_buf.dtype != dtype:
             self.graphs.clear()
@@ -325,12 +334,17 @@ class GraphStep:
         loss, nll, _ = head_step(self.model, self.criterion, leaf, views["rows"], views["target_rows"], optimizer,
                                  grad_out=g.grad)
         g.bwd.replay()
-        self.grads.replay_write(g.write)
+        self.grads.replayed()
         self.counts["graph"] += 1
         # detached: nothing may keep the head's autograd graph (and its AccumulateGrad nodes, bound to this
         # stream) alive into the next capture, whose backward would then wait on this stream
         loss, nll = loss.detach(), nll.detach()
         return (loss,) + logging_output(self.criterion, loss, nll, sample["ntokens"], B)
+
+    def queue_drained(self) -> None:
+        """The host has just waited for all GPU work queued so far (fairseq's loop reads the update count): a capture
+        now would find nothing queued to hide it, so the pacing counts its rows from here."""
+        self._rows_since_capture = 0
 
     def _ready(self, bucket) -> bool:
         """Whether ``bucket`` has graphs for this update's mode (replay=False: whether a batch ran in it)."""
@@ -466,21 +480,16 @@ class GraphStep:
                 graph = bwd
                 bwd.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 torch.autograd.backward(feats, grad_in)
+                self.grads.move_pool_grads(self.grads.take_sinks())
                 t3 = time.perf_counter()
                 bwd.capture_end()
                 pending.append(self._instantiate(bwd))
-                t4 = time.perf_counter()
-                sunk = self.grads.take_sinks()
                 parts["backward"] += t3 - t2
-                parts["instantiate"] += t4 - t3
                 graph = None
                 del feats
-                write = self.grads.capture_writes(self.pool, sunk)
-                t5 = time.perf_counter()
-                parts["writes"] += t5 - t4
                 for done in pending:
                     done.result()  # an instantiation's error surfaces here
-                parts["instantiate"] += time.perf_counter() - t5  # what the captures did not hide
+                parts["instantiate"] += time.perf_counter() - t3  # what the captures did not hide
         except Exception as e:  # noqa: BLE001 - any failure: the eager step for the rest of the run
             for done in pending:  # no graph is dropped while it is being instantiated
                 try:
@@ -505,7 +514,7 @@ class GraphStep:
                            self.disabled)
             return None
         cur.wait_stream(self.stream)
-        g = self.graphs[bucket] = _Graphs(fwd, bwd, write, self.grads.mode, feats_out, grad_in)
+        g = self.graphs[bucket] = _Graphs(fwd, bwd, self.grads.mode, feats_out, grad_in)
         dt = time.perf_counter() - t0
         self.capture_seconds += dt
         logger.debug("CUDA-graph step: captured %s in %.0f ms", bucket, dt * 1e3)
