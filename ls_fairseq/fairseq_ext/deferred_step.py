@@ -16,8 +16,8 @@ memory-efficient fp16/bf16 wrapper) reads nothing back:
   The next loss scale is chosen on the GPU from the two values the host precomputes with
   fairseq's own DynamicLossScaler (after an overflow, after a clean step), so update n + 1's
   backward already uses the scale fairseq would use. Without a loss scale (bf16, fp32) no outcome
-  can change the next update, and update n is read during update n + 10 instead: the host may
-  run ten updates ahead (:func:`~ls_fairseq.fairseq_ext.pending_update.pending_limit`);
+  can change the next update, and update n is read during update n + 5 instead: the host may
+  run five updates ahead (:func:`~ls_fairseq.fairseq_ext.pending_update.pending_limit`);
 * the update is resolved at once (one wait) whenever something reads the exact count: updates
   that end a --log-interval, --save-interval-updates, --validate-interval-updates or
   --max-update, the last update of an epoch, and before checkpoints, validation and

@@ -42,7 +42,7 @@ graphs are captured on a bucket's first batch after a short eager warm-up (libra
 kernel attributes), paced (CAPTURE_SPACING_ROWS: until a few batches have run since the last
 capture, a batch whose bucket waits for its graphs runs in a larger captured bucket). Each graph
 is instantiated on a helper thread while this one captures the next, and the host, which without
-a loss scale runs up to ten updates ahead of the GPU (:mod:`ls_fairseq.fairseq_ext.pending_update`),
+a loss scale runs up to five updates ahead of the GPU (:mod:`ls_fairseq.fairseq_ext.pending_update`),
 captures while the GPU works through the updates queued before. :class:`GraphStep` says once in
 the log why a run or a batch takes the eager step instead.
 """
@@ -71,14 +71,14 @@ WARMUP_UPDATES = 1  # eager updates before the first capture (cuBLAS handles, wo
 # Capture pacing. A capture costs the host about two eager micro-batches; captured back to back (the first
 # hundred updates meet most buckets), they outrun the GPU work queued before them and the GPU waits. Until the
 # batches run since the last capture have computed CAPTURE_SPACING_ROWS rows (source + target, as their buckets
-# have them: about twelve batches of transformer-big at --max-tokens 4096, six at 8192, some 160 ms of H100/H200
-# GPU time, in which the host, running ahead, refills the queue a capture drained), a batch whose bucket has no
-# graphs yet runs in the cheapest captured bucket that holds it and computes at most STAND_IN_COST times its own
-# bucket's rows (weighed by attention length); its own bucket is captured at a later batch. Only when none is
-# captured does it capture at once. An update after which the host waited for the GPU to finish everything (a
-# log line, the end of an epoch) starts the count again (:meth:`GraphStep.queue_drained`). The rule counts rows
-# and updates, not time, so a run's choice of buckets (and its dropout draws) repeats.
-CAPTURE_SPACING_ROWS = 81920
+# have them: about six batches of transformer-big at --max-tokens 4096, three at 8192, some 80 ms of H100/H200 GPU
+# time, in which the host, running ahead, refills the queue a capture drained), a batch whose bucket has no graphs
+# yet runs in the cheapest captured bucket that holds it and computes at most STAND_IN_COST times its own bucket's
+# rows (weighed by attention length); its own bucket is captured at a later batch. Only when none is captured does
+# it capture at once. An update after which the host waited for the GPU to finish everything (a log line, the end
+# of an epoch) starts the count again (:meth:`GraphStep.queue_drained`). The rule counts rows and updates, not
+# time, so a run's choice of buckets (and its dropout draws) repeats.
+CAPTURE_SPACING_ROWS = 40960
 STAND_IN_COST = 2.0
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}
 

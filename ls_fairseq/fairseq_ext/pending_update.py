@@ -10,10 +10,11 @@ How many updates may be pending (:func:`pending_limit`): with fp16's dynamic los
 overflow of update n changes the loss scale, the learning rate and the step count that update n + 1
 uses, so update n is settled during update n + 1, before its optimizer step. Without a loss scale
 (bf16, fp32) nothing an update's outcome decides reaches the next updates (a non-finite gradient
-stops training), and PENDING_WITHOUT_SCALE (10) may be pending: update n is settled during update
-n + 10, so the host runs up to ten updates ahead of the GPU and host work longer than one update (a
-CUDA-graph capture, tens of milliseconds, up to about a hundred when it waits for the GPU; a slow
-batch) hides behind the GPU's queue. Updates are
+stops training), and PENDING_WITHOUT_SCALE (5) may be pending: update n is settled during update
+n + 5, so the host runs up to five updates ahead of the GPU and host work longer than one update (a
+CUDA-graph capture, tens of milliseconds; a slow batch) hides behind the GPU's queue. (Ten ahead
+with captures spaced twice as far gained nothing at 4096 tokens and lost at 8192: a capture that
+meets a GEMM shape cuBLAS has not run before waits for the whole queue, however deep.) Updates are
 settled in order, so the logged statistics are the same either way.
 :meth:`PendingUpdateMixin._count_is_read_after` tells which updates are settled at once because
 fairseq's loop acts on the update count after them. :class:`PendingUpdateMixin` holds methods of
@@ -63,7 +64,7 @@ class _PendingStep:
         return self.host.tolist()
 
 
-PENDING_WITHOUT_SCALE = 10
+PENDING_WITHOUT_SCALE = 5
 
 
 def pending_limit(scaler) -> int:
