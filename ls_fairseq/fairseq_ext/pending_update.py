@@ -14,7 +14,7 @@ stops training), and PENDING_WITHOUT_SCALE (5) may be pending: update n is settl
 n + 5, so the host runs up to five updates ahead of the GPU and host work longer than one update (a
 CUDA-graph capture, tens of milliseconds; a slow batch) hides behind the GPU's queue. (Ten ahead
 with captures spaced twice as far gained nothing at 4096 tokens and lost at 8192: a capture that
-meets a GEMM shape cuBLAS has not run before waits for the whole queue, however deep.) Updates are
+meets a GEMM kernel cuBLAS has not loaded yet waits for the whole queue, however deep.) Updates are
 settled in order, so the logged statistics are the same either way.
 :meth:`PendingUpdateMixin._count_is_read_after` tells which updates are settled at once because
 fairseq's loop acts on the update count after them. :class:`PendingUpdateMixin` holds methods of
