@@ -72,6 +72,44 @@ def test_fp32_deferred_step_with_clipping_and_dropout_matches(data_bin, tmp_path
     assert all(float(r["clip"]) == 100 for r in records.values())  # the clip was active
 
 
+def _count_steps(monkeypatch, nan_at=None):
+    """Record each LSAdam.step's with_norm; ``nan_at``: before that step (1-based) one gradient becomes NaN."""
+    from ls_fairseq.optim.adam import LSAdam
+
+    calls, real = [], LSAdam.step
+
+    def step(self, *a, with_norm=False, **k):
+        calls.append(with_norm)
+        if nan_at is not None and len(calls) == nan_at:
+            self.workspaces[0].sync()
+            self.workspaces[0].buffers[0].grad.view(-1)[3] = float("nan")
+        return real(self, *a, with_norm=with_norm, **k)
+
+    monkeypatch.setattr(LSAdam, "step", step)
+    return calls
+
+
+@pytest.mark.slow
+def test_without_clipping_the_norm_is_summed_in_the_update_and_logs_the_same(data_bin, tmp_path, monkeypatch):
+    """Without a loss scale and --clip-norm 0 ls_adam sums the gradient norm in its update's pass: the deferred
+    step logs the same numbers (gnorm included) and ends with the same weights as fairseq's step body."""
+    calls = _count_steps(monkeypatch)
+    flags = ["--max-update", "8", "--clip-norm", "0", "--log-interval", "4"]
+    records, _, _ = _compare(data_bin, tmp_path, monkeypatch, flags, ("loss", "nll_loss", "gnorm", "lr", "num_updates"))
+    assert sorted(records) == [4, 8]
+    assert calls == [False] * 8 + [True] * 8  # fairseq's step body first, then the deferred step
+
+
+@pytest.mark.slow
+def test_a_nonfinite_gradient_summed_in_the_update_stops_training_and_says_so(data_bin, tmp_path, monkeypatch):
+    """The update is taken before its norm is known: a NaN gradient stops training with fairseq's error, which
+    says that the weights in memory took it."""
+    _count_steps(monkeypatch, nan_at=3)
+    with pytest.raises(FloatingPointError, match="gradients are Nan/Inf \\(the weights in memory took this update"):
+        _run(data_bin, str(tmp_path / "d"), False, monkeypatch, "--max-update", "9", "--clip-norm", "0",
+             "--dropout", "0", "--disable-validation")
+
+
 def test_scale_candidates_follow_fairseqs_loss_scaler():
     from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
 

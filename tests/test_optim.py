@@ -281,6 +281,30 @@ def test_grad_norm_multiply_and_clip_are_folded():
     assert_params_close(ours, theirs)
 
 
+def test_step_with_norm_returns_grad_norm_and_takes_the_same_step():
+    """step(with_norm=True): the norm grad_norm() gives with no factor pending (the factor is the step's own), over
+    parameters in two groups (several flat buffers), and the same update as step()."""
+    ours, theirs = make_params(), make_params()
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}]  # noqa: E731
+    a = LSAdam(groups(ours), lr=1e-2, weight_decay=0.01)
+    b = LSAdam(groups(theirs), lr=1e-2, weight_decay=0.01)
+    for step in range(3):
+        gs = grads_for(step, scale=5.0)
+        for opt, ps in ((a, ours), (b, theirs)):
+            opt.zero_grad()
+            backward(ps, gs)
+        want = b.grad_norm()
+        a.multiply_grads(0.5)
+        b.multiply_grads(0.5)
+        got = a.step(with_norm=True)
+        b.step()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got, torch.cat([g.reshape(-1) for g in gs]).norm(), rtol=1e-6, atol=0)
+        for x, y in zip(ours, theirs):
+            assert torch.equal(x, y)
+    assert a.step() is None  # without with_norm: the closure's loss, as torch optimizers return
+
+
 # ----------------------------------------------------------------- fairseq wrappers
 def run_wrapped(opt, params, steps, loss_scale_fn=lambda: 1.0, clip=0.5, update_freq=1, start=0):
     norms = []

@@ -12,6 +12,9 @@
 // `scale_dev` (optional, device fp32 scalar) multiplies grad_scale, read on the device: a factor that
 // is only known there (loss scale, clip coefficient) needs no host sync; a non-finite factor also
 // skips the step.
+// `sq_out` (optional): the L2 norm of the gradients as read (before grad_scale) over the ranges, summed in the same
+// pass (per-block partials, then one block in a fixed order): the norm without a pass of its own. The step is then
+// never skipped for `norm` (pass none); a non-finite scale_dev still skips the writes, not the sums.
 // grad_norm: per-block fp32 sums of squares (fixed grid), then one block sums the partials in a
 // fixed order and takes the square root: deterministic; inf / NaN propagate.
 #include <cmath>
@@ -36,11 +39,12 @@ __device__ __forceinline__ void adam_one(float& p, float g_raw, float& m, float&
 
 // One range [lo, lo + n) of the flat buffers, grid-strided. VEC: every pointer of the range is aligned for
 // 4-wide loads and stores (decided on the host per range, so the branch is uniform over the grid).
-template <typename G, typename L, bool VEC>
+// SQ: also add the squares of the gradients read into `sq`.
+template <typename G, typename L, bool VEC, bool SQ>
 __device__ __forceinline__ void adam_range(float* __restrict__ param, const G* __restrict__ grad,
                                            float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
                                            L* __restrict__ param_lp, L* __restrict__ param_lp_peer, int64_t n,
-                                           const AdamCoef& c, int64_t tid, int64_t stride) {
+                                           const AdamCoef& c, int64_t tid, int64_t stride, float& sq) {
   int64_t done = 0;
   if (VEC) {
     const int64_t n4 = n / 4;
@@ -58,6 +62,7 @@ __device__ __forceinline__ void adam_range(float* __restrict__ param, const G* _
 #pragma unroll
         for (int k = 0; k < 4; ++k) g[k] = to_f(h[k]);
       }
+      if constexpr (SQ) sq += g[0] * g[0] + g[1] * g[1] + g[2] * g[2] + g[3] * g[3];
       adam_one<G, L>(p.x, g[0], m.x, v.x, c);
       adam_one<G, L>(p.y, g[1], m.y, v.y, c);
       adam_one<G, L>(p.z, g[2], m.z, v.z, c);
@@ -80,7 +85,9 @@ __device__ __forceinline__ void adam_range(float* __restrict__ param, const G* _
   }
   for (int64_t i = done + tid; i < n; i += stride) {
     float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
-    adam_one<G, L>(p, to_f(grad[i]), m, v, c);
+    const float g = to_f(grad[i]);
+    if constexpr (SQ) sq += g * g;
+    adam_one<G, L>(p, g, m, v, c);
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
@@ -119,36 +126,83 @@ static int take_ranges(const int64_t* bounds, int count, int first, VecOk vec_ok
   return k;
 }
 
-template <typename G, typename L>
-__global__ void adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
-                            float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer,
-                            FlatRanges r, AdamCoef c, const float* __restrict__ norm,
-                            const float* __restrict__ scale_dev) {
-  if (norm != nullptr && !isfinite(*norm)) return;
+constexpr int kAdamThreads = 256;
+
+// Sum of v over a block of THREADS threads, in a fixed order; the result is valid in thread 0.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float sh[THREADS / 32];
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < THREADS / 32; ++w) t += sh[w];
+  return t;
+}
+
+// SQ: sq_partial[blockIdx.x] receives the block's sum of squared gradients (written even when the step is skipped).
+template <typename G, typename L, bool SQ>
+__global__ void __launch_bounds__(kAdamThreads)
+    adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
+                float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer, FlatRanges r,
+                AdamCoef c, const float* __restrict__ norm, const float* __restrict__ scale_dev,
+                float* __restrict__ sq_partial) {
+  bool skip = norm != nullptr && !isfinite(*norm);
   if (scale_dev != nullptr) {
     const float s = *scale_dev;
-    if (!isfinite(s)) return;
+    if (!isfinite(s)) skip = true;
     c.grad_scale *= s;
   }
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  float sq = 0.f;
+  if (skip) {  // uniform over the grid
+    if constexpr (SQ) {
+      for (int k = 0; k < r.count; ++k) {
+        const G* g = grad + r.lo[k];
+        for (int64_t i = tid; i < r.n[k]; i += stride) {
+          const float v = to_f(g[i]);
+          sq += v * v;
+        }
+      }
+      sq = block_sum<kAdamThreads>(sq);
+      if (threadIdx.x == 0) sq_partial[blockIdx.x] = sq;
+    }
+    return;
+  }
   for (int k = 0; k < r.count; ++k) {
     const int64_t o = r.lo[k];
     L* lp = param_lp == nullptr ? nullptr : param_lp + o;
     L* peer = param_lp_peer == nullptr ? nullptr : param_lp_peer + o;
     if ((r.vec >> k) & 1)
-      adam_range<G, L, true>(param + o, grad + o, exp_avg + o, exp_avg_sq + o, lp, peer, r.n[k], c, tid, stride);
+      adam_range<G, L, true, SQ>(param + o, grad + o, exp_avg + o, exp_avg_sq + o, lp, peer, r.n[k], c, tid, stride,
+                                 sq);
     else
-      adam_range<G, L, false>(param + o, grad + o, exp_avg + o, exp_avg_sq + o, lp, peer, r.n[k], c, tid, stride);
+      adam_range<G, L, false, SQ>(param + o, grad + o, exp_avg + o, exp_avg_sq + o, lp, peer, r.n[k], c, tid, stride,
+                                  sq);
+  }
+  if constexpr (SQ) {
+    sq = block_sum<kAdamThreads>(sq);
+    if (threadIdx.x == 0) sq_partial[blockIdx.x] = sq;
   }
   if (param_lp_peer != nullptr) __threadfence_system();
+}
+
+__global__ void sqrt_sum_kernel(const float* __restrict__ partial, int G, float* __restrict__ out);
+constexpr int kNormThreads = 512, kNormMaxBlocks = 1024;
+constexpr int kAdamBlocksPerSM = 8;
+
+int64_t adam_norm_workspace(int count) {
+  return (int64_t)((count + kMaxRanges - 1) / kMaxRanges) * num_sms() * kAdamBlocksPerSM;
 }
 
 template <typename G, typename L>
 static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, void* peer,
                         const int64_t* bounds, int count, const AdamCoef& c, const float* norm,
-                        const float* scale_dev, cudaStream_t stream) {
-  const int threads = 256;
+                        const float* scale_dev, float* sq_ws, float* sq_out, cudaStream_t stream) {
+  const int threads = kAdamThreads;
+  int partials = 0;  // sq_out: the per-block sums written so far
   const auto vec_ok = [&](int64_t lo) {
     return aligned16(param + lo) && aligned16(m + lo) && aligned16(v + lo) &&
            ((uintptr_t)(static_cast<const G*>(grad) + lo) % (4 * sizeof(G)) == 0) &&
@@ -160,17 +214,29 @@ static void launch_adam(float* param, const void* grad, float* m, float* v, void
     int64_t total;
     first = take_ranges(bounds, count, first, vec_ok, r, total);
     if (r.count == 0) continue;
-    const int blocks =
-        (int)std::max<int64_t>(1, std::min<int64_t>((total / 4 + threads - 1) / threads, (int64_t)num_sms() * 8));
-    adam_kernel<G, L><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v, static_cast<L*>(lp),
-                                                      static_cast<L*>(peer), r, c, norm, scale_dev);
+    const int blocks = (int)std::max<int64_t>(
+        1, std::min<int64_t>((total / 4 + threads - 1) / threads, (int64_t)num_sms() * kAdamBlocksPerSM));
+    if (sq_out != nullptr) {
+      adam_kernel<G, L, true><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
+                                                              static_cast<L*>(lp), static_cast<L*>(peer), r, c, norm,
+                                                              scale_dev, sq_ws + partials);
+      partials += blocks;
+    } else {
+      adam_kernel<G, L, false><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
+                                                               static_cast<L*>(lp), static_cast<L*>(peer), r, c, norm,
+                                                               scale_dev, nullptr);
+    }
     LS_CHECK_LAUNCH("adam_step", stream);
+  }
+  if (sq_out != nullptr) {  // no partials (every range empty): 0
+    sqrt_sum_kernel<<<1, kNormThreads, 0, stream>>>(sq_ws, partials, sq_out);
+    LS_CHECK_LAUNCH("adam_step norm", stream);
   }
 }
 
 void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                       void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs a,
-                      const float* norm, const float* scale_dev, cudaStream_t stream) {
+                      const float* norm, const float* scale_dev, float* sq_ws, float* sq_out, cudaStream_t stream) {
   if (count <= 0) return;
   const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
   const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
@@ -187,26 +253,13 @@ void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad
   }
   LS_DISPATCH(grad_dt, G, {
     LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, bounds, count,
-                                                     c, norm, scale_dev, stream));
+                                                     c, norm, scale_dev, sq_ws, sq_out, stream));
   });
 }
 
 // ================================================================ grad norm
-constexpr int kNormThreads = 512, kNormMaxBlocks = 1024;
 
 int64_t grad_norm_workspace() { return kNormMaxBlocks; }
-
-// Sum of v over a block of kNormThreads threads, in a fixed order; the result is valid in thread 0.
-__device__ __forceinline__ float block_sum_norm(float v) {
-  __shared__ float sh[kNormThreads / 32];
-  v = warp_sum(v);
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float t = 0.f;
-  if (threadIdx.x == 0)
-    for (int w = 0; w < kNormThreads / 32; ++w) t += sh[w];
-  return t;
-}
 
 // Per-block sums of squares over the ranges of r (in order); `accumulate`: add to the partials of an earlier
 // launch (more ranges than one launch takes) instead of overwriting them.
@@ -235,7 +288,7 @@ __global__ void __launch_bounds__(kNormThreads) sumsq_partial_kernel(const T* __
       s += v * v;
     }
   }
-  s = block_sum_norm(s);
+  s = block_sum<kNormThreads>(s);
   if (threadIdx.x == 0) partial[blockIdx.x] = accumulate ? partial[blockIdx.x] + s : s;
 }
 
@@ -243,7 +296,7 @@ __global__ void __launch_bounds__(kNormThreads) sqrt_sum_kernel(const float* __r
                                                                 float* __restrict__ out) {
   float s = 0.f;
   for (int i = threadIdx.x; i < G; i += kNormThreads) s += partial[i];
-  s = block_sum_norm(s);
+  s = block_sum<kNormThreads>(s);
   if (threadIdx.x == 0) *out = sqrtf(s);
 }
 

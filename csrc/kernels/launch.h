@@ -131,10 +131,13 @@ struct AdamArgs {
 // (nullable, of lp_dt: a peer GPU's copy of the same buffer, written with system-scope fenced stores). If norm
 // (nullable, device fp32 scalar) is not finite, nothing is written (the step is skipped on the device).
 // scale_dev (nullable, device fp32 scalar) multiplies args.grad_scale on the device; a non-finite value also
-// skips the step.
+// skips the step. sq_out (nullable, device fp32 scalar; count >= 1): receives the L2 norm of the gradients read
+// (before any scale) over the ranges, summed in the same pass into sq_ws (adam_norm_workspace(count) floats);
+// give no `norm` with it (the caller tests the norm afterwards).
 void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                       void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs args,
-                      const float* norm, const float* scale_dev, cudaStream_t stream);
+                      const float* norm, const float* scale_dev, float* sq_ws, float* sq_out, cudaStream_t stream);
+int64_t adam_norm_workspace(int count);
 int64_t grad_norm_workspace();
 // out = the L2 norm (fp32 scalar) of the union of `count` ranges [bounds[2k], bounds[2k+1]) of grad ({0, n}: all
 // of it); inf/NaN propagate. Deterministic (fixed-shape passes).

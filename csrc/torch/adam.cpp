@@ -35,7 +35,7 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
                int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite,
                const OptTensor& grad_scale_tensor, const OptTensor& param_lp_peer,
-               const std::vector<int64_t>& ranges) {
+               const std::vector<int64_t>& ranges, const OptTensor& norm_out) {
   const char* op = "adam_step";
   const int64_t n = param.numel();
   for (const Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
@@ -66,14 +66,24 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
   const float* norm = device_scalar(op, "skip_if_nonfinite", skip_if_nonfinite, param);
   const float* scale_dev = device_scalar(op, "grad_scale_tensor", grad_scale_tensor, param);
   const std::vector<int64_t> bounds = checked_ranges(op, ranges, n);
+  float* sq_out = nullptr;
+  Tensor sq_ws;
+  if (present(norm_out)) {  // the gradients' norm, summed in the step's own pass
+    LS_CHECK(norm == nullptr, op, ": norm_out and skip_if_nonfinite exclude each other (the norm is known after the step)");
+    sq_out = const_cast<float*>(device_scalar(op, "norm_out", norm_out, param));
+  }
   c10::cuda::CUDAGuard guard(param.device());
+  if (sq_out != nullptr)
+    sq_ws = at::empty({std::max<int64_t>(1, ls::adam_norm_workspace((int)(bounds.size() / 2)))},
+                      param.options().dtype(at::kFloat));
   ls::AdamArgs a{(float)lr, (float)beta1, (float)beta2, (float)eps, (float)weight_decay, (float)grad_scale, step,
                  torch_mode};
   launch(op, [&] {
     ls::adam_step_ranges(gdt, ldt, param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
                          exp_avg_sq.data_ptr<float>(), present(param_lp) ? param_lp->data_ptr() : nullptr,
                          present(param_lp_peer) ? param_lp_peer->data_ptr() : nullptr, bounds.data(),
-                         (int)(bounds.size() / 2), a, norm, scale_dev, stream());
+                         (int)(bounds.size() / 2), a, norm, scale_dev,
+                         sq_out == nullptr ? nullptr : sq_ws.data_ptr<float>(), sq_out, stream());
   });
 }
 

@@ -230,46 +230,40 @@ class DeferredStepMixin:
         if timer is not None:
             timer.host_mark("settle an earlier update")
 
+        # without a loss scale and without clipping the norm only reports (and names a non-finite gradient):
+        # ls_adam sums it in its update's pass instead of reading the gradients once more before it. Not with
+        # invertible layer norms, whose zero weights (a cause named when the norm is not finite) the update
+        # would overwrite
+        norm_in_step = (scale is None and knobs.clip <= 0 and not ls_adam.sharded
+                        and not self._has_invertible_layer_norms())
         with _label("clip-grads"):
             numer = world if sync_stats else 1
             if torch.is_tensor(sample_size):
                 factor = numer / torch.where(sample_size == 0, torch.ones_like(sample_size), sample_size)
             else:
                 factor = numer / (sample_size or 1.0)
-            raw = ls_adam._optimizer.grad_norm()  # norm of the gradients as they are (loss-scaled)
             clip = knobs.clip
-            if scale is not None:
-                # fairseq's fp16 wrapper keeps its factor in double precision (a Python float), and
-                # clips by clip / norm above the threshold; the same arithmetic here, on the device
-                factor = _on_device(factor, torch.float64, raw.device) / scale
-                grad_norm = raw * factor.float()
-                if clip > 0:
-                    gn = grad_norm.double()
-                    factor = factor * torch.where(gn > clip, clip / gn, torch.ones_like(gn))
-            else:  # bf16 wrapper and bare ls_adam: torch's clip_grad_norm_ coefficient
+            if norm_in_step:
                 # fairseq's step multiplies by a Python float (fp32 arithmetic with the fp32 norm),
                 # or, with statistics summed across ranks, by a double tensor (double arithmetic)
                 dtype = torch.float64 if torch.is_tensor(sample_size) else torch.float32
-                factor = _on_device(factor, dtype, raw.device)
-                grad_norm = raw * factor
-                if clip > 0:
-                    factor = factor * (clip / (grad_norm + 1e-6)).clamp(max=1)
-            finite = torch.isfinite(grad_norm)
-            factor = torch.where(finite, factor, torch.full_like(factor, float("nan")))
-            status = [grad_norm.double().reshape(1)]
-            # fairseq's cross-rank check, read when settled (a sharded norm is the same on every rank)
-            if self._grad_norm_buf is not None and not ls_adam.sharded:
-                buf = self._grad_norm_buf
-                buf.zero_()
-                buf[self.data_parallel_rank] = grad_norm
-                distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
-                status.append(buf)  # copied by _PendingStep before the next update reuses it
+                factor = _on_device(factor, dtype, self.device)
+            else:
+                raw = ls_adam._optimizer.grad_norm()  # norm of the gradients as they are (loss-scaled)
+                factor, grad_norm, finite = self._factor_and_norm(raw, factor, scale, clip, sample_size)
+                factor = torch.where(finite, factor, torch.full_like(factor, float("nan")))
+                status = self._norm_status(grad_norm, ls_adam)
 
         if timer is not None:
             timer.host_mark("norm and factor")
         with _label("optimizer"):
             ls_adam._optimizer._grad_factor = factor  # read by the kernel; not finite: no update
-            ls_adam.step()
+            if norm_in_step:
+                raw = ls_adam.step(with_norm=True)
+                grad_norm = raw.to(factor.device) * factor
+                status = self._norm_status(grad_norm, ls_adam)
+            else:
+                ls_adam.step()
             if scale is not None:
                 ok_scale, bad_scale = scale_candidates(scaler)
                 scale.copy_(torch.where(finite, torch.full_like(scale, ok_scale), torch.full_like(scale, bad_scale)))
@@ -278,7 +272,8 @@ class DeferredStepMixin:
             events.append(timer.mark())
             timer.host_mark("optimizer step")
         complete = timer is not None and len(events) == 2 * len(samples) + 1  # no micro-batch lost to OOM
-        pending = _PendingStep(status, summed, logging_outputs, sample_size, clip, events if complete else None)
+        pending = _PendingStep(status, summed, logging_outputs, sample_size, clip, events if complete else None,
+                               applied_anyway=norm_in_step)
         self._ls_pend(pending)
         num_updates = self.get_num_updates() + 1
         self.set_num_updates(num_updates)  # provisional until settled
@@ -330,6 +325,45 @@ class DeferredStepMixin:
             on = self.cuda and env.step_timing()
             self._ls_timer = _StepTimer(self.data_parallel_rank) if on else None
         return self._ls_timer
+
+    def _has_invertible_layer_norms(self) -> bool:
+        if "_ls_invertible" not in self.__dict__:
+            self._ls_invertible = any(getattr(m, "invertible", False) is True for m in self.model.modules())
+        return self._ls_invertible
+
+    @staticmethod
+    def _factor_and_norm(raw, factor, scale, clip, sample_size):
+        """(the update's gradient factor, the gradient norm fairseq logs, whether it is finite), on the device, from
+        the raw norm of the (loss-scaled) gradients and the host's or device's 1 / sample size ``factor``."""
+        if scale is not None:
+            # fairseq's fp16 wrapper keeps its factor in double precision (a Python float), and
+            # clips by clip / norm above the threshold; the same arithmetic here, on the device
+            factor = _on_device(factor, torch.float64, raw.device) / scale
+            grad_norm = raw * factor.float()
+            if clip > 0:
+                gn = grad_norm.double()
+                factor = factor * torch.where(gn > clip, clip / gn, torch.ones_like(gn))
+        else:  # bf16 wrapper and bare ls_adam: torch's clip_grad_norm_ coefficient
+            # fairseq's step multiplies by a Python float (fp32 arithmetic with the fp32 norm),
+            # or, with statistics summed across ranks, by a double tensor (double arithmetic)
+            dtype = torch.float64 if torch.is_tensor(sample_size) else torch.float32
+            factor = _on_device(factor, dtype, raw.device)
+            grad_norm = raw * factor
+            if clip > 0:
+                factor = factor * (clip / (grad_norm + 1e-6)).clamp(max=1)
+        return factor, grad_norm, torch.isfinite(grad_norm)
+
+    def _norm_status(self, grad_norm, ls_adam):
+        """The device values the host reads when it settles the update: the norm, and on several ranks each
+        rank's norm (fairseq's cross-rank check; a sharded norm is the same on every rank)."""
+        status = [grad_norm.double().reshape(1)]
+        if self._grad_norm_buf is not None and not ls_adam.sharded:
+            buf = self._grad_norm_buf
+            buf.zero_()
+            buf[self.data_parallel_rank] = grad_norm
+            distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
+            status.append(buf)  # copied by _PendingStep before the next update reuses it
+        return status
 
     def _device_loss_scale(self, scaler):
         """The fp16 loss scale as a one-element fp32 tensor on the device (None without a scaler).

@@ -109,13 +109,13 @@ class LSFairseqAdam(FairseqOptimizer):
     def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
         return self._optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)
 
-    def step(self, closure=None, scale=1.0, groups=None):
+    def step(self, closure=None, scale=1.0, groups=None, with_norm=False):
         if not self.__dict__.get("_ls_trainer") and not self.__dict__.get("_said_trainer"):
             self._said_trainer = True
             if any(p.is_cuda for g in self._optimizer.param_groups for p in g["params"]):
                 logger.info("ls_adam under fairseq's own Trainer (fairseq-train): the deferred step and the CUDA-graph "
                             "step of lightseq-train are not used; run lightseq-train with the same flags for them")
-        self._optimizer.step(closure, scale=scale)
+        return self._optimizer.step(closure, scale=scale, with_norm=with_norm)
 
     def request_sharding(self, on=True):
         """Shard the optimizer state over the data-parallel ranks whenever the gradients are

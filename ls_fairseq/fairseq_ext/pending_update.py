@@ -41,8 +41,11 @@ class _PendingStep:
     statistics) is still on the device: ``status`` (double tensors) and ``summed`` (or None) travel
     to the host in one copy."""
 
-    def __init__(self, status, summed, logging_outputs, sample_size, clip_norm, events=None):
+    def __init__(self, status, summed, logging_outputs, sample_size, clip_norm, events=None, applied_anyway=False):
         self.n_status = sum(t.numel() for t in status)  # the values after them: summed statistics
+        # the update was taken whatever the norm (ls_adam summed the norm in the update's own pass): a
+        # non-finite norm found when settling did not keep it from the weights
+        self.applied_anyway = applied_anyway
         status = torch.cat(status if summed is None else [*status, summed])
         self.logging_outputs = logging_outputs
         self.sample_size = sample_size
@@ -143,10 +146,12 @@ class PendingUpdateMixin:
         ls_adam, scaler = _inner_and_scaler(self.optimizer)
         if not math.isfinite(grad_norm):
             report = zero_weight_report(self.model)
+            taken = ("the weights in memory took this update and the ones queued after it; the checkpoints "
+                     "written before are intact" if pending.applied_anyway else "the update was not applied")
             if report is not None:  # a cause no loss scale can fix, named
-                raise FloatingPointError(f"gradients are Nan/Inf (the update was not applied): {report}")
+                raise FloatingPointError(f"gradients are Nan/Inf ({taken}): {report}")
             if scaler is None:
-                raise FloatingPointError("gradients are Nan/Inf (the update was not applied)")
+                raise FloatingPointError(f"gradients are Nan/Inf ({taken})")
             # fairseq: no update, the loss scale goes down, nothing is logged for this step
             ls_adam._optimizer.forget_last_step()
             self.set_num_updates(self.get_num_updates() - 1)

@@ -41,6 +41,12 @@ the kernel writes the new weights on both GPUs in the same pass, so no all-gathe
 orders these writes before the peer reads the weights (a collective on both ranks' streams after the
 step).
 
+The norm in the update's own pass: ``adam_(..., with_norm=True)`` returns the L2 norm of the gradients as
+they were read (before any scale, over ``ranges`` when given), summed by the fused kernel while it
+updates: no pass of its own over the gradients. The update is then taken whatever the norm (a caller that
+learns of a non-finite gradient only afterwards must not rely on the step having been skipped), so
+``skip_if_nonfinite`` cannot be combined with it; a non-finite ``grad_scale_tensor`` still skips it.
+
 ``ranges``: ``[(lo, hi), ...]``, ascending and disjoint: update (or, for :func:`grad_norm`, take the norm
 of) only these element ranges of the buffers, which all share one layout. A data-parallel rank passes
 the parts of the flat buffers it owns, and the fused kernel covers them all in one launch.
@@ -146,7 +152,7 @@ def _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer
 
 def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
           param_lp=None, mode="fairseq", skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None,
-          ranges=None):
+          ranges=None, with_norm=False):
     """In-place update of param, exp_avg, exp_avg_sq (and param_lp, param_lp_peer).
 
     ``skip_if_nonfinite``: optional 0-dim fp32 tensor (e.g. :func:`grad_norm`'s result); when it is
@@ -154,11 +160,16 @@ def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_dec
     ``grad_scale_tensor``: optional one-element fp32 tensor on param's device, multiplied into
     ``grad_scale`` on the device; when it is inf/NaN nothing is updated.
     ``ranges``: optional ascending, disjoint (lo, hi) pairs; only these elements are updated.
+    ``with_norm``: return the L2 norm (fp32 0-dim tensor) of ``grad`` as read, over ``ranges``, summed in the
+    update's pass; not with ``skip_if_nonfinite`` (module docstring).
     """
     _check(param, grad, exp_avg, exp_avg_sq, param_lp, mode, step, param_lp_peer)
+    if with_norm and skip_if_nonfinite is not None:
+        raise ValueError("adam: with_norm and skip_if_nonfinite exclude each other (the norm is known only after "
+                         "the update)")
     flat_ranges = check_ranges(ranges, param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer)
-    if flat_ranges == []:
-        return  # no range: nothing to update (the extension reads an empty list as "everything")
+    if flat_ranges == []:  # no range: nothing to update (the extension reads an empty list as "everything")
+        return torch.zeros((), dtype=torch.float32, device=grad.device) if with_norm else None
     if grad_scale_tensor is not None:
         if not torch.is_tensor(grad_scale_tensor) or grad_scale_tensor.numel() != 1:
             raise ValueError("adam: grad_scale_tensor must be a one-element tensor")
@@ -168,12 +179,16 @@ def adam_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_dec
                         param_lp_peer)
     flat = all(t is None or t.is_contiguous() for t in (param, exp_avg, exp_avg_sq, param_lp, param_lp_peer))
     if mod is not None and flat:
-        return _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step,
-                      grad_scale, param_lp, mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer, flat_ranges)
-    return adam_reference_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_lp=param_lp,
-                           mode=mode, skip_if_nonfinite=skip_if_nonfinite, grad_scale_tensor=grad_scale_tensor,
-                           param_lp_peer=param_lp_peer, ranges=ranges)
+        norm = torch.empty((), dtype=torch.float32, device=param.device) if with_norm else None
+        _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+               param_lp, mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer, flat_ranges, norm)
+        return norm
+    norm = grad_norm_reference(grad, ranges) if with_norm else None  # Adam does not change the gradients
+    adam_reference_(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    weight_decay=weight_decay, step=step, grad_scale=grad_scale, param_lp=param_lp,
+                    mode=mode, skip_if_nonfinite=skip_if_nonfinite, grad_scale_tensor=grad_scale_tensor,
+                    param_lp_peer=param_lp_peer, ranges=ranges)
+    return norm
 
 
 def grad_norm_reference(grad, ranges=None):
@@ -196,7 +211,8 @@ def grad_norm(grad, ranges=None):
 
 
 def _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, grad_scale, param_lp,
-           mode, skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None, ranges=None):  # kernel slot
+           mode, skip_if_nonfinite=None, grad_scale_tensor=None, param_lp_peer=None, ranges=None,
+           norm_out=None):  # kernel slot
     norm = factor = None
     if skip_if_nonfinite is not None:
         norm = skip_if_nonfinite.detach().float().reshape(()).contiguous()
@@ -204,7 +220,7 @@ def _fused(mod, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_
         factor = grad_scale_tensor.detach().float().reshape(()).contiguous()
     call("adam_step", param, grad.contiguous(), exp_avg, exp_avg_sq, param_lp, float(lr), float(beta1), float(beta2),
          float(eps), float(weight_decay), int(step), float(grad_scale), mode == "torch", norm, factor, param_lp_peer,
-         ranges or [])
+         ranges or [], norm_out)
 
 
 def _fused_norm(mod, grad, ranges=None):  # kernel slot

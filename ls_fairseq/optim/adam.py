@@ -176,12 +176,20 @@ class LSAdam(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure=None, scale=1.0):
-        """One Adam step. Gradients are divided by ``scale`` (fairseq's step-with-scale)."""
+    def step(self, closure=None, scale=1.0, with_norm=False):
+        """One Adam step. Gradients are divided by ``scale`` (fairseq's step-with-scale).
+
+        ``with_norm``: return the L2 norm of all gradients as they were before the step's factors (what
+        :meth:`grad_norm` returns with no factor pending), summed in the update's own pass instead of one
+        of its own; the update is then taken whatever the norm, so the caller tests it afterwards. Not with
+        sharded state (each rank's update reads only the parts it owns)."""
+        if with_norm and self._shard is not None:
+            raise RuntimeError("ls_adam: step(with_norm=True) needs unsharded state; take grad_norm() first")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        norms = []
         grad_scale, factor = self._step_factor(scale)
         synced, self._synced = self.__dict__.get("_synced", False), False
         self.wait_gathers()  # the last step's gathers read the parts this step writes
@@ -198,7 +206,9 @@ class LSAdam(torch.optim.Optimizer):
                           mode=group["mode"], grad_scale_tensor=dev_factor)
                 parts = self._shard.parts.get(id(buf)) if self._shard is not None else None
                 if parts is None:
-                    adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=buf.param_lp, **kw)
+                    norm = adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=buf.param_lp,
+                                 with_norm=with_norm, **kw)
+                    norms.append(norm)
                     continue
                 lp = buf.param_lp
                 defer = self._shard.defer
@@ -227,6 +237,13 @@ class LSAdam(torch.optim.Optimizer):
             # the peer's stores into our weights are done once its stream reaches this collective
             dist.all_reduce(self._shard.flag, group=self._shard.group)
         self._grad_factor = 1.0
+        if with_norm:
+            if not norms:
+                return torch.zeros((), dtype=torch.float32)
+            if len(norms) == 1:
+                return norms[0]
+            dev = norms[0].device
+            return torch.stack([n.to(dev) for n in norms]).norm(2)  # as grad_norm() combines them
         return loss
 
     def _step_factor(self, scale):

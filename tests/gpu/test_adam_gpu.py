@@ -237,3 +237,55 @@ def test_the_kernel_entry_checks_ranges_itself():
     with pytest.raises(RuntimeError, match="not inside"):
         mod.adam_step(p, g, m, v, None, 1e-3, 0.9, 0.99, 1e-8, 0.0, 1, 1.0, False, None, None, None, [60, 70])
     assert torch.equal(p, torch.zeros(64, device="cuda"))
+
+
+@pytest.mark.parametrize("count", [0, 1, 12, 150])  # 0: the whole buffer; 150: more ranges than one launch takes
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_norm_in_the_step_equals_grad_norm_and_changes_no_update(count, grad_dtype):
+    """with_norm: the same update bit for bit (param, moments, low-precision copy), and the norm of the gradients as
+    read (not scaled) within fp32 summation rounding of grad_norm's; repeatable."""
+    n = 1_000_003
+    torch.manual_seed(7 + count)
+    ranges = _ranges(n, count, seed=200 + count) if count else None
+    g = (torch.randn(n, device="cuda") * 3).to(grad_dtype)
+    p0, m0, v0 = torch.randn(n, device="cuda"), torch.rand(n, device="cuda"), torch.rand(n, device="cuda")
+    a = [p0.clone(), m0.clone(), v0.clone(), torch.zeros(n, device="cuda", dtype=torch.bfloat16)]
+    b = [t.clone() for t in a]
+    scale = torch.tensor(0.25, device="cuda")
+    norm = adam_(a[0], g, a[1], a[2], step=2, grad_scale=0.5, grad_scale_tensor=scale, param_lp=a[3],
+                 ranges=ranges, with_norm=True, **HP)
+    none = adam_(b[0], g, b[1], b[2], step=2, grad_scale=0.5, grad_scale_tensor=scale, param_lp=b[3], ranges=ranges,
+                 **HP)
+    assert none is None
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    want = grad_norm(g, ranges=ranges)
+    assert norm.dtype == torch.float32 and norm.dim() == 0 and norm.device == g.device
+    assert abs(norm.item() - want.item()) <= 1e-5 * want.item()
+    again = adam_(b[0], g, b[1], b[2], step=2, grad_scale=0.5, grad_scale_tensor=scale, param_lp=b[3], ranges=ranges,
+                  with_norm=True, **HP)
+    assert torch.equal(again, norm)  # deterministic
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_norm_in_the_step_reports_a_nonfinite_gradient_and_a_skipped_scale(bad):
+    """A non-finite gradient: the update is taken (the norm is known only after it) and the norm is not finite. A
+    non-finite device factor still skips the update, and the norm is still summed."""
+    n = 4099
+    g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    g[1234] = bad
+    p, m, v = torch.randn(n, device="cuda"), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    norm = adam_(p, g, m, v, step=1, with_norm=True, **HP)
+    assert not torch.isfinite(norm) and not torch.isfinite(p[1234])
+    g[1234] = 2.0
+    p0 = p.clone()
+    p0[1234] = 0.0
+    p.copy_(p0)
+    m.zero_()
+    v.zero_()
+    norm = adam_(p, g, m, v, step=1, grad_scale_tensor=torch.tensor(bad, device="cuda"), with_norm=True, **HP)
+    assert torch.equal(p, p0) and not m.any() and not v.any()
+    assert abs(norm.item() - grad_norm(g).item()) <= 1e-5 * norm.item()
+    with pytest.raises(ValueError, match="exclude each other"):
+        adam_(p, g, m, v, step=1, skip_if_nonfinite=norm, with_norm=True, **HP)
+    assert adam_(p, g, m, v, step=1, ranges=[], with_norm=True, **HP).item() == 0.0
