@@ -69,7 +69,8 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
   float* sq_out = nullptr;
   Tensor sq_ws;
   if (present(norm_out)) {  // the gradients' norm, summed in the step's own pass
-    LS_CHECK(norm == nullptr, op, ": norm_out and skip_if_nonfinite exclude each other (the norm is known after the step)");
+    LS_CHECK(norm == nullptr, op,
+             ": norm_out and skip_if_nonfinite exclude each other (the norm is known after the step)");
     sq_out = const_cast<float*>(device_scalar(op, "norm_out", norm_out, param));
   }
   c10::cuda::CUDAGuard guard(param.device());
