@@ -101,6 +101,16 @@ def test_without_clipping_the_norm_is_summed_in_the_update_and_logs_the_same(dat
 
 
 @pytest.mark.slow
+def test_invertible_layer_norms_keep_the_norm_pass_before_the_update(data_bin, tmp_path, monkeypatch):
+    """With --ls-invertible-layernorm the norm is taken before the update, which a non-finite norm then skips: a
+    zero layer-norm weight, the cause the error names, stays there to be found."""
+    calls = _count_steps(monkeypatch)
+    _run(data_bin, str(tmp_path / "d"), False, monkeypatch, "--max-update", "3", "--clip-norm", "0",
+         "--ls-invertible-layernorm", "--disable-validation", "--no-save")
+    assert calls == [False] * 3
+
+
+@pytest.mark.slow
 def test_a_nonfinite_gradient_summed_in_the_update_stops_training_and_says_so(data_bin, tmp_path, monkeypatch):
     """The update is taken before its norm is known: a NaN gradient stops training with fairseq's error, which
     says that the weights in memory took it."""
