@@ -67,6 +67,7 @@ import torch
 from fairseq import metrics, utils
 from fairseq.distributed import utils as distributed_utils
 
+from ls_fairseq.fairseq_ext.memory_modes import invertible_layer_norms
 from ls_fairseq.fairseq_ext.pending_update import _inner_and_scaler, _PendingStep, pending_limit
 from ls_fairseq.fairseq_ext.step_stats import DeferredLoggingOutput
 from ls_fairseq.fairseq_ext.step_timing import _StepTimer
@@ -244,10 +245,7 @@ class DeferredStepMixin:
                 factor = numer / (sample_size or 1.0)
             clip = knobs.clip
             if norm_in_step:
-                # fairseq's step multiplies by a Python float (fp32 arithmetic with the fp32 norm),
-                # or, with statistics summed across ranks, by a double tensor (double arithmetic)
-                dtype = torch.float64 if torch.is_tensor(sample_size) else torch.float32
-                factor = _on_device(factor, dtype, self.device)
+                factor = self._unscaled_factor(factor, sample_size, self.device)
             else:
                 raw = ls_adam._optimizer.grad_norm()  # norm of the gradients as they are (loss-scaled)
                 factor, grad_norm, finite = self._factor_and_norm(raw, factor, scale, clip, sample_size)
@@ -328,8 +326,16 @@ class DeferredStepMixin:
 
     def _has_invertible_layer_norms(self) -> bool:
         if "_ls_invertible" not in self.__dict__:
-            self._ls_invertible = any(getattr(m, "invertible", False) is True for m in self.model.modules())
+            self._ls_invertible = bool(invertible_layer_norms(self.model))
         return self._ls_invertible
+
+    @staticmethod
+    def _unscaled_factor(factor, sample_size, device):
+        """The 1 / sample size ``factor`` on ``device`` without a loss scale: fairseq's step multiplies by a Python
+        float (fp32 arithmetic with the fp32 norm), or, with statistics summed across ranks, by a double tensor
+        (double arithmetic)."""
+        dtype = torch.float64 if torch.is_tensor(sample_size) else torch.float32
+        return _on_device(factor, dtype, device)
 
     @staticmethod
     def _factor_and_norm(raw, factor, scale, clip, sample_size):
@@ -344,10 +350,7 @@ class DeferredStepMixin:
                 gn = grad_norm.double()
                 factor = factor * torch.where(gn > clip, clip / gn, torch.ones_like(gn))
         else:  # bf16 wrapper and bare ls_adam: torch's clip_grad_norm_ coefficient
-            # fairseq's step multiplies by a Python float (fp32 arithmetic with the fp32 norm),
-            # or, with statistics summed across ranks, by a double tensor (double arithmetic)
-            dtype = torch.float64 if torch.is_tensor(sample_size) else torch.float32
-            factor = _on_device(factor, dtype, raw.device)
+            factor = DeferredStepMixin._unscaled_factor(factor, sample_size, raw.device)
             grad_norm = raw * factor
             if clip > 0:
                 factor = factor * (clip / (grad_norm + 1e-6)).clamp(max=1)

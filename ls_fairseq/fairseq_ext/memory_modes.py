@@ -55,14 +55,18 @@ def set_memory_modes(model, args):
         model.register_load_state_dict_post_hook(_check_after_load)
 
 
+def invertible_layer_norms(model):
+    """(name, module) of the layer norms of ``model`` that run invertible (--ls-invertible-layernorm)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LayerNorm) and m.invertible]
+
+
 def zero_weight_report(model) -> Optional[str]:
     """A message naming the invertible layer norms whose weight has an element equal to 0, else None."""
     bad: List[str] = []
-    for name, m in model.named_modules():
-        if isinstance(m, LayerNorm) and m.invertible:
-            zeros = int((m.weight == 0).sum())
-            if zeros:
-                bad.append(f"{name}.weight ({zeros} of {m.weight.numel()} elements)")
+    for name, m in invertible_layer_norms(model):
+        zeros = int((m.weight == 0).sum())
+        if zeros:
+            bad.append(f"{name}.weight ({zeros} of {m.weight.numel()} elements)")
     if not bad:
         return None
     return ("--ls-invertible-layernorm recovers a layer norm's input from its output by dividing by the weight, "

@@ -78,6 +78,14 @@ def check_hyperparams(lr, betas, eps, weight_decay, mode="fairseq"):
     return b1, b2
 
 
+def _combined_norm(norms):
+    """The L2 norm over several flat buffers from each one's norm (at least one), on the first one's device."""
+    if len(norms) == 1:
+        return norms[0]
+    dev = norms[0].device
+    return torch.stack([n.to(dev) for n in norms]).norm(2)
+
+
 class LSAdam(torch.optim.Optimizer):
     """Adam with fairseq's formula (``mode="fairseq"``) or torch AdamW's (``mode="torch"``)."""
 
@@ -132,11 +140,7 @@ class LSAdam(torch.optim.Optimizer):
                 owned = shard.ranges.get(id(buf)) if shard is not None else None  # sharded: the owned parts
                 norms.append(flat_grad_norm(buf.grad, ranges=owned))
         self._synced = True  # the next step() reads the buffers as this norm saw them
-        if len(norms) == 1:
-            total = norms[0]
-        else:
-            dev = norms[0].device
-            total = torch.stack([n.to(dev) for n in norms]).norm(2)
+        total = _combined_norm(norms)
         if shard is not None:
             squares = total * total
             dist.all_reduce(squares, group=shard.group)
@@ -208,7 +212,8 @@ class LSAdam(torch.optim.Optimizer):
                 if parts is None:
                     norm = adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=buf.param_lp,
                                  with_norm=with_norm, **kw)
-                    norms.append(norm)
+                    if with_norm:
+                        norms.append(norm)
                     continue
                 lp = buf.param_lp
                 defer = self._shard.defer
@@ -238,12 +243,7 @@ class LSAdam(torch.optim.Optimizer):
             dist.all_reduce(self._shard.flag, group=self._shard.group)
         self._grad_factor = 1.0
         if with_norm:
-            if not norms:
-                return torch.zeros((), dtype=torch.float32)
-            if len(norms) == 1:
-                return norms[0]
-            dev = norms[0].device
-            return torch.stack([n.to(dev) for n in norms]).norm(2)  # as grad_norm() combines them
+            return _combined_norm(norms) if norms else torch.zeros((), dtype=torch.float32)
         return loss
 
     def _step_factor(self, scale):
