@@ -10,8 +10,8 @@ Numerics (csrc/kernels/fp8.cu holds the kernels, this file the same rules in pla
   one pass over the tensor that also records its maximum; :meth:`Fp8State.begin_forward` (once per training
   forward) moves the recorded maxima into the histories and derives the next scales. The first forward and
   backward of a new state use current scaling (the tensor's own maximum, an extra pass), which fills the history.
-- Forward: ``y = [x] [W]^T`` with x and W in e4m3 (3 mantissa bits), accumulated in fp32 by the tensor cores,
-  output in the input's dtype.
+- Forward: ``y = [x] [W]^T`` with x and W in e4m3 (3 mantissa bits), output in the input's dtype. All three
+  GEMMs use the tensor cores' fast accumulation (cuBLASLt's, without promotion to fp32 along the sum).
 - Backward: ``dx = [dY] [W]`` and ``dW = [dY]^T [x]``, dY in the gradient format (``e4m3``, or ``e5m2`` with 2
   mantissa bits and 5 exponent bits), from the same codes of x and W as the forward.
 - A weight whose sizes are not multiples of 16 (the FP8 GEMM's tile) uses the plain linear layer.

@@ -138,7 +138,7 @@ def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias, 
     yr.backward(dy)
     assert torch.equal(st, ref)  # the same maxima recorded and scales used
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
-    # forward: the same FP8 codes; the GPU accumulates in fp32 (fast accumulation) and rounds once
+    # forward: the same FP8 codes; the GPU accumulates (fast accumulation, as in both backward GEMMs) and rounds once
     codes = _state_with_history(3, hist, grad_format)
     xq, _ = fp8.fp8_quantize_reference(x.detach(), codes, 0, fp8.E4M3, current)
     wq, _ = fp8.fp8_quantize_reference(w.detach(), codes, 1, fp8.E4M3, current)
