@@ -163,8 +163,21 @@ def test_split_heads_node(nodes):
     (gx,) = torch.autograd.grad(q.sum() + 2 * v.sum(), [x])
     want = torch.cat([torch.ones(16), torch.zeros(16), torch.full((16,), 2.0)]).expand(2, 5, -1)
     assert torch.equal(gx, want)
-    with pytest.raises(Exception, match="n must be 1, 2 or 3"):
-        nodes.ag_split_heads(torch.randn(2, 3, 64), None, 4, 2)
+    # any number of parts: one (a query), six (layer-batched keys and values), some unused
+    _same_as_autograd(lambda x, b: nodes.ag_split_heads(x, b, 1, 4), lambda x, b: _split_ref(x, b, 1, 4),
+                      [x3[..., :16], b3[:16]])
+    x6 = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(9))
+    out = _same_as_autograd(lambda x, b: nodes.ag_split_heads(x, b, 6, 2), lambda x, b: _split_ref(x, b, 6, 2),
+                            [x6, b3])
+    assert len(out) == 6
+    (x,) = _leaves(x6)
+    parts = nodes.ag_split_heads(x, None, 6, 2)
+    (gx,) = torch.autograd.grad(parts[1].sum() + 3 * parts[4].sum(), [x])
+    want = torch.zeros(48)
+    want[8:16], want[32:40] = 1.0, 3.0
+    assert torch.equal(gx, want.expand(2, 5, -1))
+    with pytest.raises(Exception, match="n must be >= 1"):
+        nodes.ag_split_heads(torch.randn(2, 3, 64), None, 0, 2)
 
 
 def test_linear_node(nodes):

@@ -204,7 +204,7 @@ struct ActDropoutGradSource {
 template <typename T>
 struct MergeHeadsSource {
   static constexpr bool kSums = true;
-  const T* src[3];
+  const T* src[kMaxSplitParts];
   int64_t T_, H, D;
   bool token_major;
   __device__ __forceinline__ void begin() {}
@@ -441,14 +441,15 @@ void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* b
                                                              dbias, partial, stream)));
 }
 
-void fp8_merge_heads_grad(DType dt, const void* d0, const void* d1, const void* d2, int B, int T_, int n, int H,
-                          int D, bool token_major, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
-                          void* dbias, float* partial, cudaStream_t stream) {
+void fp8_merge_heads_grad(DType dt, const void* const* d, int B, int T_, int n, int H, int D, bool token_major,
+                          float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp, void* dbias, float* partial,
+                          cudaStream_t stream) {
   const int64_t M = (int64_t)B * T_, K = (int64_t)n * H * D;
   if (M <= 0 || K <= 0) return;
+  if (n > kMaxSplitParts) throw std::runtime_error("fp8_merge_heads_grad: n out of range");
   LS_DISPATCH(dt, T, {
-    const MergeHeadsSource<T> src{{static_cast<const T*>(d0), static_cast<const T*>(d1), static_cast<const T*>(d2)},
-                                  T_, H, D, token_major};
+    MergeHeadsSource<T> src{{}, T_, H, D, token_major};
+    for (int i = 0; i < n; ++i) src.src[i] = static_cast<const T*>(d[i]);
     launch_summing_cast<T>(src, M, K, row, fmt, out, out_t, Mp, dbias, partial, stream, "fp8_merge_heads_grad");
   });
 }

@@ -73,7 +73,7 @@ void split_heads_fwd(DType dt, const void* x, const void* bias, void* out, int B
 // ================================================================ split backward / merge forward
 template <typename T>
 struct MergeOp {
-  const T* src[3];  // [B, H, T, D] (or [B, T, H, D] if token_major) each, nullptr = zeros
+  const T* src[kMaxSplitParts];  // [B, H, T, D] (or [B, T, H, D] if token_major) each, nullptr = zeros
   T* dx;            // [B, T, n*H*D]
   int T_, H, D, W;
   bool token_major;
@@ -114,15 +114,16 @@ struct MergeOp {
   }
 };
 
-void split_heads_bwd(DType dt, const void* dout0, const void* dout1, const void* dout2, void* dx, void* dbias,
-                     float* workspace, int B, int T_, int n, int H, int D, bool token_major, cudaStream_t stream) {
+void split_heads_bwd(DType dt, const void* const* douts, void* dx, void* dbias, float* workspace, int B, int T_, int n,
+                     int H, int D, bool token_major, cudaStream_t stream) {
+  if (n < 1 || n > kMaxSplitParts) throw std::runtime_error("split_heads_bwd: n out of range");
   const int W = n * H * D;
   const int64_t rows = (int64_t)B * T_;
-  const bool vec = D % 8 == 0 && aligned16(dx) && (dout0 == nullptr || aligned16(dout0)) &&
-                   (dout1 == nullptr || aligned16(dout1)) && (dout2 == nullptr || aligned16(dout2));
+  bool vec = D % 8 == 0 && aligned16(dx);
+  for (int i = 0; i < n; ++i) vec = vec && (douts[i] == nullptr || aligned16(douts[i]));
   LS_DISPATCH(dt, T, {
-    MergeOp<T> op{{static_cast<const T*>(dout0), static_cast<const T*>(dout1), static_cast<const T*>(dout2)},
-                  static_cast<T*>(dx), T_, H, D, W, token_major};
+    MergeOp<T> op{{}, static_cast<T*>(dx), T_, H, D, W, token_major};
+    for (int i = 0; i < n; ++i) op.src[i] = static_cast<const T*>(douts[i]);
     T* const outs[1] = {static_cast<T*>(dbias)};
     run_rowloop_colsum<T, 1>(op, vec, rows, W, outs, workspace, stream, "split_heads_bwd");
   });

@@ -100,10 +100,13 @@ void embedding_bwd(DType dt, const void* dy, const uint8_t* mask, const int64_t*
 // x [B, T, n*H*D] (+ bias [n*H*D]) -> out [n, B, H, T, D] (stored [n, B, T, H, D] if token_major).
 void split_heads_fwd(DType dt, const void* x, const void* bias, void* out, int B, int T, int n, int H, int D,
                      bool token_major, cudaStream_t stream);
-// douts[i] [B, H, T, D] (stored [B, T, H, D] if token_major; nullptr = zero) -> dx [B, T, n*H*D];
-// dbias (nullable) = sum over B, T.
-void split_heads_bwd(DType dt, const void* dout0, const void* dout1, const void* dout2, void* dx, void* dbias,
-                     float* workspace, int B, int T, int n, int H, int D, bool token_major, cudaStream_t stream);
+// The most parts one merge takes (split_heads_bwd, fp8_merge_heads_grad): q, k, v, or the keys and values of a
+// layer-batched cross-attention of up to 32 decoder layers.
+constexpr int kMaxSplitParts = 64;
+// douts[i], i < n <= kMaxSplitParts: [B, H, T, D] (stored [B, T, H, D] if token_major; nullptr = zero)
+// -> dx [B, T, n*H*D]; dbias (nullable) = sum over B, T.
+void split_heads_bwd(DType dt, const void* const* douts, void* dx, void* dbias, float* workspace, int B, int T, int n,
+                     int H, int D, bool token_major, cudaStream_t stream);
 
 // ================================================================ cross_entropy.cu
 // Per row: losses[0, r] = smoothed loss, losses[1, r] = nll (0 for ignored rows); lse[r] = logsumexp.
@@ -214,12 +217,11 @@ int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp);
 void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M,
                           int64_t K, float p, Act act, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
                           void* dbias, float* partial, cudaStream_t stream);
-// The codes of the attention input projection's output gradient [B * T, n * H * D], merged from the n <= 3 head
-// gradients [B, H, T, D] (stored [B, T, H, D] when token_major; nullptr: zeros) as split_heads_bwd merges them,
+// The codes of the attention input projection's output gradient [B * T, n * H * D], merged from the
+// n <= kMaxSplitParts head gradients d[i] [B, H, T, D] (stored [B, T, H, D] when token_major; nullptr: zeros) as split_heads_bwd merges them,
 // under the delayed scale of `row` (its maximum recorded), without writing the merged tensor; out, out_t, dbias and
 // partial as in fp8_act_dropout_grad (M = B * T, K = n * H * D). D a multiple of 16, 16-byte aligned pointers.
-void fp8_merge_heads_grad(DType dt, const void* d0, const void* d1, const void* d2, int B, int T_, int n, int H,
-                          int D, bool token_major, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
+void fp8_merge_heads_grad(DType dt, const void* const* d, int B, int T_, int n, int H, int D, bool token_major, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
                           void* dbias, float* partial, cudaStream_t stream);
 
 }  // namespace ls

@@ -278,14 +278,14 @@ struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const int64_t n = ctx->saved_data["n"].toInt();
     bool any = false;
-    OptTensor d[3];
+    std::vector<OptTensor> d(n);
     for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
       d[i] = opt(grads[i]);
       any = any || d[i].has_value();
     }
     if (!any) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const bool need_db = bias_grad_needed(ctx);
-    auto r = qkv_split_bwd(d[0], d[1], d[2], n, need_db);
+    auto r = split_heads_bwd(d, need_db);
     return {r[0], bias_grad(ctx, r[1], need_db), Tensor(), Tensor()};
   }
 };
@@ -346,7 +346,7 @@ variable_list ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const 
 }
 
 variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads) {
-  LS_CHECK(n >= 1 && n <= 3, "split_heads: n must be 1, 2 or 3, got ", n);
+  LS_CHECK(n >= 1, "split_heads: n must be >= 1, got ", n);
   return SplitHeadsNode::apply(x, bias, n, num_heads);
 }
 

@@ -60,6 +60,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"), py::arg("token_major") = false);
   m.def("qkv_split_bwd", guarded(&qkv_split_bwd), "backward of qkv_split", py::arg("d0") = none, py::arg("d1") = none,
         py::arg("d2") = none, py::arg("n"), py::arg("need_dbias"));
+  m.def("split_heads_bwd", guarded(&split_heads_bwd),
+        "backward of the split into n = len(parts) parts (None: a zero gradient): [dx [B,T,n*H*D], dbias]",
+        py::arg("parts"), py::arg("need_dbias"));
   m.def("merge_heads_fwd", guarded(&merge_heads_fwd), "[B,H,T,D] -> [B,T,H*D]", py::arg("x"));
   m.def("merge_heads_bwd", guarded(&merge_heads_bwd), "[B,T,H*D] -> [B,H,T,D]", py::arg("dy"), py::arg("num_heads"));
 

@@ -303,9 +303,10 @@ std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t 
   for (int64_t i = 0; i < n; ++i)
     if (d[i].defined()) { ref = &d[i]; break; }
   const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3), M = B * T, K = n * H * D;
-  if (u.current || D % 16 != 0) {  // merged in the gradient's precision, then quantised
-    auto r = qkv_split_bwd(opt_of(d[0]), n > 1 ? opt_of(d[1]) : std::nullopt, n > 2 ? opt_of(d[2]) : std::nullopt,
-                           n, need_db);
+  std::vector<OptTensor> parts;
+  for (int64_t i = 0; i < n; ++i) parts.push_back(opt_of(d[i]));
+  if (u.current || D % 16 != 0 || n > ls::kMaxSplitParts) {  // merged in the gradient's precision, then quantised
+    auto r = split_heads_bwd(parts, need_db);
     auto [q, q_t] = quantize(op, r[0].reshape({M, K}), u.state, u.row(2), fmt, u.current, rowwise, transposed);
     return {q, q_t, need_db ? r[1] : Tensor()};
   }
@@ -313,7 +314,7 @@ std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t 
   for (int64_t i = 0; i < n; ++i)
     if (d[i].defined()) token_major = token_major && token_major_heads(d[i]);
   std::vector<Tensor> keep;
-  const void* ptrs[3] = {nullptr, nullptr, nullptr};
+  std::vector<const void*> ptrs(n, nullptr);
   for (int64_t i = 0; i < n; ++i) {
     if (!d[i].defined()) continue;
     keep.push_back(aligned(token_major ? d[i] : d[i].contiguous()));
@@ -322,7 +323,7 @@ std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t 
   const SummedCodes c(*ref, M, K, fmt, rowwise, transposed, need_db);
   c10::cuda::CUDAGuard guard(ref->device());
   launch(op, [&] {
-    ls::fp8_merge_heads_grad(to_dtype(op, *ref), ptrs[0], ptrs[1], ptrs[2], checked_int(op, "batch", B),
+    ls::fp8_merge_heads_grad(to_dtype(op, *ref), ptrs.data(), checked_int(op, "batch", B),
                              checked_int(op, "length", T), (int)n, checked_int(op, "heads", H),
                              checked_int(op, "head_dim", D), token_major,
                              u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt, c.out(), c.out_t(),
@@ -508,7 +509,7 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     bool any = false;
     for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) any = any || grads[i].defined();
     if (!any) return none;
-    grads.resize(3);
+    grads.resize(n);
     auto s = ctx->get_saved_variables();
     const Tensor &xq_t = s[0], &wq_t = s[1], &sx = s[2], &sw = s[3], &state = s[4];
     const Use u = use_of(op, ctx->saved_data["mode"].toInt(), state, ctx->saved_data["slot"].toInt(), state);
@@ -531,7 +532,7 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
 std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
                                         int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot) {
   const char* op = "fp8_linear_split";
-  LS_CHECK(n >= 1 && n <= 3, op, ": n must be 1, 2 or 3, got ", n);
+  LS_CHECK(n >= 1, op, ": n must be >= 1, got ", n);
   LS_CHECK(num_heads >= 1 && weight.dim() == 2 && weight.size(0) % (n * num_heads) == 0, op, ": weight ",
            weight.sizes(), " does not split into ", n, " parts of ", num_heads, " heads");
   LS_CHECK(x.dim() == 3 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(), " does not match weight ",

@@ -29,48 +29,63 @@ Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t 
 
 // grads of the n parts (each [B, H, T, D] or None) -> (dx [B, T, n*H*D], dbias [n*H*D] or empty).
 // Gradients stored token-major ([B, T, H, D] memory, as SDPA's backward writes them for token-major
-// inputs) are read in place; any other layout is made contiguous first.
-std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
-                                  bool need_dbias) {
-  const char* op = "qkv_split_bwd";
-  LS_CHECK(n >= 1 && n <= 3, op, ": n must be 1, 2 or 3");
-  const OptTensor* ds[3] = {&d0, &d1, &d2};
+// inputs) are read in place; any other layout is made contiguous first. One kernel merges up to
+// kMaxSplitParts parts and sums the bias gradient in the same pass; more parts are stacked by ATen.
+std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_dbias) {
+  const char* op = "split_heads_bwd";
+  const int64_t n = (int64_t)ds.size();
+  LS_CHECK(n >= 1, op, ": at least one part is needed");
   const Tensor* ref = nullptr;
-  for (int i = 0; i < n; ++i)
-    if (present(*ds[i])) { ref = &ds[i]->value(); break; }
+  for (const auto& d : ds)
+    if (present(d)) { ref = &d.value(); break; }
   LS_CHECK(ref != nullptr, op, ": at least one gradient must be given");
   LS_CHECK(ref->dim() == 4, op, ": gradients must be [batch, heads, length, head_dim], got ", ref->sizes());
   bool token_major = true;
-  for (int i = 0; i < n; ++i) {
-    if (!present(*ds[i])) continue;
-    const Tensor& t = ds[i]->value();
+  for (const auto& d : ds) {
+    if (!present(d)) continue;
+    const Tensor& t = d.value();
     LS_CHECK_CUDA(op, t);
     LS_CHECK(t.sizes() == ref->sizes(), op, ": gradient shapes differ: ", t.sizes(), " vs ", ref->sizes());
     LS_CHECK_DTYPE(op, t, ref->scalar_type());
     token_major = token_major && token_major_heads(t);
   }
+  const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3);
+  c10::cuda::CUDAGuard guard(ref->device());
+  if (n > ls::kMaxSplitParts) {  // beyond the kernel's table of parts: one stacking copy, the bias summed in fp32
+    std::vector<Tensor> parts;
+    for (const auto& d : ds) parts.push_back((present(d) ? d.value() : at::zeros_like(*ref)).transpose(1, 2));
+    Tensor dx = at::stack(parts, 2).view({B, T, n * H * D});
+    Tensor db = need_dbias ? dx.sum(at::IntArrayRef{0, 1}, false, at::kFloat).to(ref->scalar_type()) : at::empty({0}, ref->options());
+    return {dx, db};
+  }
   std::vector<Tensor> keep;
-  const void* ptrs[3] = {nullptr, nullptr, nullptr};
-  for (int i = 0; i < n; ++i) {
-    if (!present(*ds[i])) continue;
-    keep.push_back(token_major ? ds[i]->value() : ds[i]->value().contiguous());
+  std::vector<const void*> ptrs(n, nullptr);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!present(ds[i])) continue;
+    keep.push_back(token_major ? ds[i].value() : ds[i].value().contiguous());
     ptrs[i] = keep.back().data_ptr();
   }
   const ls::DType dt = to_dtype(op, *ref);
-  c10::cuda::CUDAGuard guard(ref->device());
-  const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3);
   Tensor dx = at::empty({B, T, n * H * D}, ref->options());
   Tensor db = need_dbias ? at::empty({n * H * D}, ref->options()) : at::empty({0}, ref->options());
   const int64_t rows = B * T;
   if (need_dbias && rows == 0) db.zero_();
   Tensor ws = at::empty({need_dbias ? ls::colsum_workspace(rows, (int)(n * H * D)) : 0}, ref->options().dtype(at::kFloat));
   launch(op, [&] {
-    ls::split_heads_bwd(dt, ptrs[0], ptrs[1], ptrs[2], dx.data_ptr(), need_dbias && rows > 0 ? db.data_ptr() : nullptr,
+    ls::split_heads_bwd(dt, ptrs.data(), dx.data_ptr(), need_dbias && rows > 0 ? db.data_ptr() : nullptr,
                         need_dbias ? ws.data_ptr<float>() : nullptr, checked_int(op, "batch", B),
                         checked_int(op, "length", T), (int)n, checked_int(op, "heads", H),
                         checked_int(op, "head_dim", D), token_major, stream());
   });
   return {dx, db};
+}
+
+// split_heads_bwd of n <= 3 parts given one by one (q, k, v)
+std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
+                                  bool need_dbias) {
+  LS_CHECK(n >= 1 && n <= 3, "qkv_split_bwd: n must be 1, 2 or 3");
+  const OptTensor all[3] = {d0, d1, d2};
+  return split_heads_bwd(std::vector<OptTensor>(all, all + n), need_dbias);
 }
 
 // [B, H, T, D] -> [B, T, H*D]

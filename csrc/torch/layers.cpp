@@ -214,8 +214,10 @@ Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, cons
 Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, const OptTensor& attend,
                              const std::vector<Tensor>& w, double eps, const LayerArgs& a, const Packed* vl) {
   auto [h, residual] = block_input(x, a, w[12], w[13], eps);
-  const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
-  Tensor q = ag_linear_mode(h, w[14], w[15], a.fp8.at(4)).view({B, T, a.num_heads, C / a.num_heads}).transpose(1, 2);
+  const Fp8Args f = a.fp8.at(4);  // the bias added as the heads are split, its gradient summed as they are merged
+  Tensor q = f.mode > 0 && fp8_linear_shapes_ok(w[14])
+                 ? ag_fp8_linear_split(h, w[14], w[15], 1, a.num_heads, f.mode, f.state, f.slot)[0]
+                 : ag_split_heads(ag_linear_mode(h, w[14], std::nullopt, f), w[15], 1, a.num_heads)[0];
   Tensor out = attention(q, k, v, attend, false, a.p.cross_attn, a.short_len, vl);
   h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, a.fp8.at(5));
   return block_output(h, w[17], residual, a, w[12], w[13], eps);

@@ -24,7 +24,7 @@ void bind_nodes_and_layers(pybind11::module_& m, Wrap wrap) {
         py::arg("residual"), py::arg("p"));
   m.def("ag_bias_act_dropout", wrap(&ag_bias_act_dropout), "differentiable dropout(act(x + bias)): [out, mask]",
         py::arg("x"), py::arg("bias") = none, py::arg("activation"), py::arg("p"));
-  m.def("ag_split_heads", wrap(&ag_split_heads), "differentiable [B,T,n*C] (+bias) -> n x [B,H,T,D] (n <= 3)",
+  m.def("ag_split_heads", wrap(&ag_split_heads), "differentiable [B,T,n*C] (+bias) -> n x [B,H,T,D]",
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
   m.def("ag_linear", wrap(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = none);

@@ -35,6 +35,7 @@ Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t 
 // Whether a [B, H, T, D] head gradient is stored token-major ([B, T, H, D] memory, as SDPA's backward writes it for
 // token-major inputs): qkv_split_bwd and the FP8 merge of head gradients read such gradients in place.
 inline bool token_major_heads(const Tensor& t) { return t.transpose(1, 2).is_contiguous() && !t.is_contiguous(); }
+std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_dbias);
 std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
                                   bool need_dbias);
 Tensor merge_heads_fwd(const Tensor& x);

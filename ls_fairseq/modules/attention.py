@@ -101,9 +101,13 @@ class CrossAttention(nn.Module):
     def forward(self, x, k, v, key_padding_mask=None, varlen=None):
         """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]. ``varlen``: packed
         sequences, x [1, Nt, C] and k, v [1, H, Ns, D]."""
-        B, T, C = x.shape
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias, fp8=fp8_now(self, 0))
-        q = q.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
+        fp8 = fp8_now(self, 0)
+        node = fp8_split_node(x, self.q_proj.weight, fp8)
+        if node is not None:
+            q, = node.ag_fp8_linear_split(x, self.q_proj.weight, self.q_proj.bias, 1, self.num_heads, fp8.mode,
+                                          fp8.state, fp8.slot)
+        else:  # the bias added as the heads are split, its gradient summed as they are merged (as in SelfAttention)
+            q, = ops.split_heads(ops.linear(x, self.q_proj.weight, fp8=fp8), self.q_proj.bias, 1, self.num_heads)
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training, varlen=varlen)
         return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))

@@ -140,6 +140,17 @@ def _register():
         B, H, T, D = ref.shape
         return [_empty(ref, (B, T, n * H * D)), _empty(ref, (n * H * D if need_dbias else 0,))]
 
+    @op(f"{_LIB}::split_heads_bwd", mutates_args=())
+    def split_heads_bwd(parts: List[Optional[Tensor]], need_dbias: bool) -> List[Tensor]:
+        return list(_mod().split_heads_bwd(parts, need_dbias))
+
+    @split_heads_bwd.register_fake
+    def _(parts, need_dbias):
+        ref = next(t for t in parts if t is not None)
+        B, H, T, D = ref.shape
+        n = len(parts)
+        return [_empty(ref, (B, T, n * H * D)), _empty(ref, (n * H * D if need_dbias else 0,))]
+
     @op(f"{_LIB}::merge_heads_fwd", mutates_args=())
     def merge_heads_fwd(x: Tensor) -> Tensor:
         return _mod().merge_heads_fwd(x)

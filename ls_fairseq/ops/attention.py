@@ -309,18 +309,9 @@ class _SplitFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         need_db = ctx.needs_input_grad[1]
-        if ctx.n > 3:
-            # layer-batched cross-attention K/V (n = 2 x layers): one stacking copy straight
-            # into the GEMM's [B, T, n, H, D] layout
-            g0 = next(g for g in grads if g is not None)
-            gs = [(g if g is not None else torch.zeros_like(g0)).transpose(1, 2) for g in grads]  # [B, T, H, D]
-            dx = torch.stack(gs, dim=2)
-            B, T, n, H, D = dx.shape
-            dx = dx.view(B, T, n * H * D)
-            db = dx.sum(dim=(0, 1), dtype=torch.float32).to(ctx.bias_dtype) if need_db else None
-            return dx, db, None, None
-        gs = list(grads) + [None] * (3 - ctx.n)
-        dx, db = call("qkv_split_bwd", gs[0], gs[1], gs[2], int(ctx.n), bool(need_db))
+        # one pass merges the parts' gradients (q, k, v, or a layer-batched cross-attention's keys and values) and
+        # sums the bias gradient
+        dx, db = call("split_heads_bwd", list(grads), bool(need_db))
         return dx, (db.to(ctx.bias_dtype) if need_db else None), None, None
 
 
@@ -336,7 +327,7 @@ class _MergeFn(torch.autograd.Function):
 
 
 def _fused_split(mod, x, bias, n, num_heads):  # kernel slot
-    nodes = cpp_nodes(mod) if n <= 3 else None
+    nodes = cpp_nodes(mod)
     if nodes is not None:
         return tuple(nodes.ag_split_heads(x, bias, int(n), int(num_heads)))
     return _SplitFn.apply(x, bias, n, num_heads)

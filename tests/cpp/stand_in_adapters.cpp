@@ -61,18 +61,22 @@ Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t 
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2) / n / H;
   return y.view({B, T, n, H, D}).permute({2, 0, 1, 3, 4}).contiguous().transpose(2, 3);
 }
-std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
-                                  bool need_dbias) {
-  const OptTensor* ds[3] = {&d0, &d1, &d2};
+std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_dbias) {
+  const int64_t n = (int64_t)ds.size();
   Tensor ref;
-  for (int i = 0; i < n; ++i) if (present(*ds[i])) { ref = **ds[i]; break; }
+  for (const auto& d : ds) if (present(d)) { ref = *d; break; }
   std::vector<Tensor> parts;
-  for (int i = 0; i < n; ++i) parts.push_back(present(*ds[i]) ? **ds[i] : at::zeros_like(ref));
+  for (const auto& d : ds) parts.push_back(present(d) ? *d : at::zeros_like(ref));
   Tensor st = at::stack(parts, 0);  // [n, B, H, T, D]
   const int64_t B = ref.size(0), H = ref.size(1), T = ref.size(2), D = ref.size(3);
   Tensor dx = st.permute({1, 3, 0, 2, 4}).reshape({B, T, n * H * D});
   Tensor db = need_dbias ? dx.reshape({-1, n * H * D}).sum(0) : at::empty({0}, ref.options());
   return {dx, db};
+}
+std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
+                                  bool need_dbias) {
+  const OptTensor all[3] = {d0, d1, d2};
+  return split_heads_bwd(std::vector<OptTensor>(all, all + n), need_dbias);
 }
 // The FP8 linear node needs CUDA (csrc/torch/fp8.cpp): here only the plain linear node is reachable.
 Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8) {

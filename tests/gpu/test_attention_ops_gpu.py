@@ -96,13 +96,17 @@ def test_split_is_token_major_and_backward_reads_either_layout(dtype):
     assert torch.equal(head_major[0], want)
 
 
-def test_batched_kv_split_backward_matches_reference():
+@pytest.mark.parametrize("n", [6, 12, 70])  # 70: more parts than one merge kernel takes (stacked instead)
+def test_batched_kv_split_backward_matches_reference(n):
+    """The layer-batched cross-attention keys and values: their gradients merged, unused parts as zeros, and the
+    bias gradient summed, by the split node's backward."""
     from ls_fairseq.ops import split_heads
 
-    B, T, H, D, n = 2, 7, 2, 8, 6
+    B, T, H, D = 2, 7, 2, 8
     x = torch.randn(B, T, n * H * D, device="cuda", dtype=torch.float16, requires_grad=True)
     bias = torch.randn(n * H * D, device="cuda", dtype=torch.float16, requires_grad=True)
     parts = split_heads(x, bias, n, H)
+    assert "SplitHeadsNode" in parts[0].grad_fn.name()
     gs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.float16) for _ in range(n)]
     gs[3] = None  # a layer whose K got no gradient
     used = [(p, g) for p, g in zip(parts, gs) if g is not None]
