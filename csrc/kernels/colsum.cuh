@@ -131,15 +131,23 @@ template <typename T, int N_SUMS, typename Op>
 void run_rowloop_colsum(Op op, bool vec, int64_t rows, int C, T* const (&outs)[N_SUMS], float* workspace,
                         cudaStream_t stream, const char* name) {
   if (rows <= 0 || C <= 0) return;
-  dim3 grid = colsum_grid(rows, C);
+  dim3 grid = colsum_grid(rows, C);  // the most partial rows the workspace holds
   dim3 block(kColsumTX, kColsumTY);
   bool any = false;
   for (int s = 0; s < N_SUMS; ++s) any = any || outs[s] != nullptr;
   float* partial = any ? workspace : nullptr;
-  if (vec)
+  // one wave: no more row blocks than the GPU holds at once with this op's registers (fewer partials too)
+  auto one_wave = [&](int resident) {
+    const int gy = std::max(1, resident / static_cast<int>(grid.x));
+    if (static_cast<int>(grid.y) > gy) grid.y = gy;
+  };
+  if (vec) {
+    one_wave(resident_blocks<rowloop_colsum_kernel<N_SUMS, true, Op>, kColsumTX * kColsumTY>());
     rowloop_colsum_kernel<N_SUMS, true><<<grid, block, 0, stream>>>(op, rows, C, partial);
-  else
+  } else {
+    one_wave(resident_blocks<rowloop_colsum_kernel<N_SUMS, false, Op>, kColsumTX * kColsumTY>());
     rowloop_colsum_kernel<N_SUMS, false><<<grid, block, 0, stream>>>(op, rows, C, partial);
+  }
   LS_CHECK_LAUNCH(name, stream);
   if (any) colsum_finalize<T, N_SUMS>(partial, grid.y, C, outs, stream, "colsum_finalize");
 }

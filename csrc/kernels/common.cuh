@@ -167,6 +167,22 @@ inline int num_sms() {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// How many blocks of `threads` threads of the kernel K the GPU holds at once (its registers and shared memory
+// decide): a grid-stride kernel launched with more runs its last blocks after the first ones finish, on a part of the
+// GPU. Asked once per kernel and block size (the answer depends on those and the architecture only).
+template <auto K, int THREADS>
+inline int resident_blocks() {
+  static const int per_sm = [] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, K, THREADS, 0) != cudaSuccess) {
+      cudaGetLastError();  // cleared: the launch that follows reports its own errors
+      n = 0;
+    }
+    return n > 0 ? n : 1;
+  }();
+  return per_sm * num_sms();
+}
+
 }  // namespace ls
 
 // ---------------------------------------------------------------- dtype dispatch

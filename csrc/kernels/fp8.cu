@@ -344,9 +344,13 @@ int blocks_for(int64_t work, int64_t per_block) {
 // rows of 64 x 64 tiles over the [max(M, Mp), K] tensor the cast walks
 int64_t tile_rows(int64_t M, int64_t Mp) { return ((Mp > M ? Mp : M) + kTile - 1) / kTile; }
 
-// the cast's grid: one tile per block and step
+// the cast's grid: one tile per block and step, no more blocks than the GPU holds at once with this source's
+// registers (one wave)
+template <typename Source>
 int cast_blocks(int64_t M, int64_t K, int64_t Mp) {
-  return blocks_for(tile_rows(M, Mp) * ((K + kTile - 1) / kTile), 1);
+  const int64_t tiles = tile_rows(M, Mp) * ((K + kTile - 1) / kTile);
+  const int64_t resident = resident_blocks<cast_kernel<Source>, kThreads>();
+  return blocks_for(tiles < resident ? tiles : resident, 1);
 }
 
 }  // namespace
@@ -366,7 +370,7 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
                            static_cast<const T*>(x), M * K, reinterpret_cast<unsigned*>(row + kFp8Amax)));
     check_launch("fp8_amax", stream);
   }
-  LS_DISPATCH(dt, T, cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(
+  LS_DISPATCH(dt, T, cast_kernel<<<cast_blocks<PlainSource<T>>(M, K, Mp), kThreads, 0, stream>>>(
                          PlainSource<T>{static_cast<const T*>(x), K}, M, K, row, fmt, current,
                          static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp));
   check_launch("fp8_cast", stream);
@@ -378,9 +382,10 @@ void launch_act_cast(const void* x, const void* bias, uint8_t* keep, uint8_t* po
                      float p, PhiloxArgs rng, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
   const ActDropoutSource<T, A, DRAW> src{static_cast<const T*>(x), static_cast<const T*>(bias), keep, positive, K,
                                          p, dropout_threshold(p), rng};
-  cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, Fp8Format::E4M3, false,
-                                                               static_cast<uint8_t*>(out),
-                                                               static_cast<uint8_t*>(out_t), Mp);
+  using Source = std::remove_cv_t<decltype(src)>;
+  cast_kernel<<<cast_blocks<Source>(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, Fp8Format::E4M3, false,
+                                                                      static_cast<uint8_t*>(out),
+                                                                      static_cast<uint8_t*>(out_t), Mp);
 }
 
 template <typename T, bool DRAW>
@@ -414,8 +419,9 @@ template <typename T, typename Source>
 void launch_summing_cast(const Source& src, int64_t M, int64_t K, float* row, Fp8Format fmt, void* out, void* out_t,
                          int64_t Mp, void* dbias, float* partial, cudaStream_t stream, const char* name) {
   float* sums = dbias != nullptr ? partial : nullptr;
-  cast_kernel<<<cast_blocks(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false, static_cast<uint8_t*>(out),
-                                                               static_cast<uint8_t*>(out_t), Mp, sums);
+  cast_kernel<<<cast_blocks<Source>(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false,
+                                                                      static_cast<uint8_t*>(out),
+                                                                      static_cast<uint8_t*>(out_t), Mp, sums);
   check_launch(name, stream);
   if (dbias == nullptr) return;
   T* const outs[1] = {static_cast<T*>(dbias)};

@@ -55,7 +55,8 @@ std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_
     std::vector<Tensor> parts;
     for (const auto& d : ds) parts.push_back((present(d) ? d.value() : at::zeros_like(*ref)).transpose(1, 2));
     Tensor dx = at::stack(parts, 2).view({B, T, n * H * D});
-    Tensor db = need_dbias ? dx.sum(at::IntArrayRef{0, 1}, false, at::kFloat).to(ref->scalar_type()) : at::empty({0}, ref->options());
+    Tensor db = need_dbias ? dx.sum(at::IntArrayRef{0, 1}, false, at::kFloat).to(ref->scalar_type())
+                           : at::empty({0}, ref->options());
     return {dx, db};
   }
   std::vector<Tensor> keep;
