@@ -218,11 +218,13 @@ void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* b
                           int64_t K, float p, Act act, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
                           void* dbias, float* partial, cudaStream_t stream);
 // The codes of the attention input projection's output gradient [B * T, n * H * D], merged from the
-// n <= kMaxSplitParts head gradients d[i] [B, H, T, D] (stored [B, T, H, D] when token_major; nullptr: zeros) as split_heads_bwd merges them,
-// under the delayed scale of `row` (its maximum recorded), without writing the merged tensor; out, out_t, dbias and
-// partial as in fp8_act_dropout_grad (M = B * T, K = n * H * D). D a multiple of 16, 16-byte aligned pointers.
-void fp8_merge_heads_grad(DType dt, const void* const* d, int B, int T_, int n, int H, int D, bool token_major, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,
-                          void* dbias, float* partial, cudaStream_t stream);
+// n <= kMaxSplitParts head gradients d[i] [B, H, T, D] (stored [B, T, H, D] when token_major; nullptr: zeros) as
+// split_heads_bwd merges them, under the delayed scale of `row` (its maximum recorded), without writing the merged
+// tensor; out, out_t, dbias and partial as in fp8_act_dropout_grad (M = B * T, K = n * H * D). D a multiple of 16,
+// 16-byte aligned pointers.
+void fp8_merge_heads_grad(DType dt, const void* const* d, int B, int T_, int n, int H, int D, bool token_major,
+                          float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp, void* dbias, float* partial,
+                          cudaStream_t stream);
 
 }  // namespace ls
 
