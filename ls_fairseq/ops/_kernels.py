@@ -129,17 +129,6 @@ def _register():
             return _empty(x, (n, B, T, num_heads, W // n // num_heads)).transpose(2, 3)
         return _empty(x, (n, B, num_heads, T, W // n // num_heads))
 
-    @op(f"{_LIB}::qkv_split_bwd", mutates_args=())
-    def qkv_split_bwd(d0: Optional[Tensor], d1: Optional[Tensor], d2: Optional[Tensor], n: int,
-                      need_dbias: bool) -> List[Tensor]:
-        return list(_mod().qkv_split_bwd(d0, d1, d2, n, need_dbias))
-
-    @qkv_split_bwd.register_fake
-    def _(d0, d1, d2, n, need_dbias):
-        ref = next(t for t in (d0, d1, d2) if t is not None)
-        B, H, T, D = ref.shape
-        return [_empty(ref, (B, T, n * H * D)), _empty(ref, (n * H * D if need_dbias else 0,))]
-
     @op(f"{_LIB}::split_heads_bwd", mutates_args=())
     def split_heads_bwd(parts: List[Optional[Tensor]], need_dbias: bool) -> List[Tensor]:
         return list(_mod().split_heads_bwd(parts, need_dbias))
