@@ -9,7 +9,8 @@ key padding mask. Usage: python benchmarks/bench_ops.py [--tokens 8192 4096] [--
 ``--fp8`` instead times every projection of transformer-big (forward + backward, bias included) as a bf16 linear
 and as an FP8 linear (delayed scaling after one calibration step), splits the FP8 time into GEMMs and
 quantisation, and sums both over one update (encoder and decoder at the same token count): what FP8 saves per
-update, and what it would save if quantisation were free.
+update, and what it would save if quantisation were free; then each FP8 GEMM of those projections with full and
+with fast accumulation (the latter is what ls_fairseq uses): time, and error against the fp32 product.
 """
 
 import argparse
@@ -252,6 +253,54 @@ def fp8_report(N):
           f"quantisation it would save {(tot[0] - tot[2]) * 1e3:.2f} ms.")
 
 
+def _per_tensor_codes(t, dtype):
+    """(FP8 codes of t under one power-of-two scale that fits its maximum, the dequantisation factor)."""
+    amax = t.abs().max().float().clamp_min(1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(torch.finfo(dtype).max / amax)))
+    return (t.float() * scale).to(dtype), (1.0 / scale).reshape(())
+
+
+def fp8_gemm_cases(N, device="cuda"):
+    """[(label, (M, K, N), run(fast_accum) -> bf16 product, fp32 product of the same codes)] for the GEMMs of the
+    FP8 projections at N tokens: forward (e4m3 x e4m3), input and weight gradient (e5m2 gradient x e4m3)."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    out = []
+    for name, k, n, _, _ in FP8_LINEARS:
+        if k * n < 1024 * 3072:  # the projections --fp8-projections auto runs in FP8
+            continue
+        g = torch.Generator(device=device).manual_seed(k + n)
+        x = torch.randn(N, k, device=device, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        w = (torch.randn(n, k, device=device, generator=g) / k ** 0.5).to(torch.bfloat16)
+        dy = (1e-3 * torch.randn(N, n, device=device, generator=g)).to(torch.bfloat16)
+        xq, sx = _per_tensor_codes(x, e4)
+        wq, sw = _per_tensor_codes(w, e4)
+        gq, sg = _per_tensor_codes(dy, e5)
+        wq_t, gq_t, xq_t = wq.t().contiguous(), gq.t().contiguous(), xq.t().contiguous()
+
+        def mm(a, b, sa, sb):  # a [M, K] row-major, b [K, N] column-major
+            return (lambda fast: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast),
+                    lambda: (a.float() * sa) @ (b.float() * sb))
+
+        out += [(f"{name} forward", (N, k, n)) + mm(xq, wq.t(), sx, sw),
+                (f"{name} input gradient", (N, n, k)) + mm(gq, wq_t.t(), sg, sw),
+                (f"{name} weight gradient", (n, N, k)) + mm(gq_t, xq_t.t(), sg, sx)]
+    return out
+
+
+def fp8_accumulation_report(N):
+    """Each FP8 GEMM with full (fp32-promoted) and fast accumulation: time and error against fp32."""
+    print(f"\nFP8 GEMMs at {N} tokens, full against fast accumulation (torch._scaled_mm, bf16 output; error: "
+          "|product - fp32 product of the same codes| / |fp32 product|):\n")
+    print("| GEMM | M x K x N | full ms | fast ms | fast / full | error full / fast |")
+    print("|" + "---|" * 6)
+    for label, (m, k, n), run, exact in fp8_gemm_cases(N):
+        ref = exact()
+        t = {fast: cuda_time(lambda: run(fast)) for fast in (False, True)}
+        err = {fast: ((run(fast).float() - ref).norm() / ref.norm()).item() for fast in (False, True)}
+        print(f"| {label} | {m} x {k} x {n} | {t[False] * 1e3:.4f} | {t[True] * 1e3:.4f} | "
+              f"{t[False] / t[True]:.2f}x | {err[False]:.2e} / {err[True]:.2e} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 4096])
@@ -263,6 +312,7 @@ def main():
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
         for N in args.tokens:
             fp8_report(N)
+            fp8_accumulation_report(N)
         return
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  dtype {args.dtype}")
