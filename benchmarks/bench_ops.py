@@ -253,17 +253,21 @@ def fp8_report(N):
           f"quantisation it would save {(tot[0] - tot[2]) * 1e3:.2f} ms.")
 
 
-def _per_tensor_codes(t, dtype):
-    """(FP8 codes of t under one power-of-two scale that fits its maximum, the dequantisation factor)."""
-    amax = t.abs().max().float().clamp_min(1e-12)
-    scale = torch.exp2(torch.floor(torch.log2(torch.finfo(dtype).max / amax)))
-    return (t.float() * scale).to(dtype), (1.0 / scale).reshape(())
+def _codes(t, fmt):
+    """(codes of the 2-d ``t`` in format ``fmt``, its transposed codes, the dequantisation factor), scaled by its own
+    maximum as ls_fairseq's first (current-scaling) step does."""
+    from ls_fairseq.ops import fp8 as F8
+
+    state = torch.zeros(1, F8.WIDTH, device=t.device)
+    q, q_t = F8.fp8_quantize_reference(t, state, 0, fmt, current=True)
+    return q, q_t, state[0, F8.SCALE_INV].clone()
 
 
 def fp8_gemm_cases(N, device="cuda"):
     """[(label, (M, K, N), run(fast_accum) -> bf16 product, fp32 product of the same codes)] for the GEMMs of the
     FP8 projections at N tokens: forward (e4m3 x e4m3), input and weight gradient (e5m2 gradient x e4m3)."""
-    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    from ls_fairseq.ops.fp8 import E4M3, E5M2
+
     out = []
     for name, k, n, _, _ in FP8_LINEARS:
         if k * n < 1024 * 3072:  # the projections --fp8-projections auto runs in FP8
@@ -272,10 +276,9 @@ def fp8_gemm_cases(N, device="cuda"):
         x = torch.randn(N, k, device=device, generator=g, dtype=torch.float32).to(torch.bfloat16)
         w = (torch.randn(n, k, device=device, generator=g) / k ** 0.5).to(torch.bfloat16)
         dy = (1e-3 * torch.randn(N, n, device=device, generator=g)).to(torch.bfloat16)
-        xq, sx = _per_tensor_codes(x, e4)
-        wq, sw = _per_tensor_codes(w, e4)
-        gq, sg = _per_tensor_codes(dy, e5)
-        wq_t, gq_t, xq_t = wq.t().contiguous(), gq.t().contiguous(), xq.t().contiguous()
+        xq, xq_t, sx = _codes(x, E4M3)
+        wq, wq_t, sw = _codes(w, E4M3)
+        gq, gq_t, sg = _codes(dy, E5M2)
 
         def mm(a, b, sa, sb):  # a [M, K] row-major, b [K, N] column-major
             return (lambda fast: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast),
