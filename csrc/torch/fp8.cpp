@@ -303,9 +303,9 @@ std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t 
   for (int64_t i = 0; i < n; ++i)
     if (d[i].defined()) { ref = &d[i]; break; }
   const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3), M = B * T, K = n * H * D;
-  std::vector<OptTensor> parts;
-  for (int64_t i = 0; i < n; ++i) parts.push_back(opt_of(d[i]));
   if (u.current || D % 16 != 0 || n > ls::kMaxSplitParts) {  // merged in the gradient's precision, then quantised
+    std::vector<OptTensor> parts;
+    for (int64_t i = 0; i < n; ++i) parts.push_back(opt_of(d[i]));
     auto r = split_heads_bwd(parts, need_db);
     auto [q, q_t] = quantize(op, r[0].reshape({M, K}), u.state, u.row(2), fmt, u.current, rowwise, transposed);
     return {q, q_t, need_db ? r[1] : Tensor()};
