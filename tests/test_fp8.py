@@ -222,13 +222,18 @@ def test_model_flags_set_every_projection_and_only_train_uses_fp8():
         type(m).__name__ for m in refs}
     state = model.encoder.fp8_state
     assert all(r.state is state for r in refs.values()) and state.grad_format == fp8.E4M3
-    assert state.linears == 4 + 6 + 1  # one encoder layer, one decoder layer, the batched cross K/V
+    # one encoder layer, one decoder layer, the batched cross K/V, the vocabulary projection
+    assert state.linears == 4 + 6 + 1 + 1
+    # the vocabulary (54 words) is not a multiple of 16: its projection keeps its slot but stays in bf16/fp16
+    head = model.decoder.output_projection
+    assert head.fp8 == fp8.Fp8Ref(state, 11, 1) and state.in_fp8 == 11
     # every linear has its own slot: the layers' slots (csrc/torch/layers.cpp order) never overlap
     dec = model.decoder.layers[0]
     slots = [model.encoder.layers[0].fp8.slot + k for k in range(4)] + [dec.fp8.slot + k for k in range(6)]
     slots.append(model.decoder.cross_kv.fp8.slot if hasattr(model.decoder, "cross_kv") else
                  next(m.fp8.slot for m in model.modules() if type(m).__name__ == "BatchedCrossKV"))
-    assert sorted(slots) == list(range(11))
+    slots.append(head.fp8.slot)
+    assert sorted(slots) == list(range(12))
     assert dec.self_attn.fp8.slot == dec.fp8.slot and dec.encoder_attn.fp8.slot == dec.fp8.slot + 4
     _, plain = _tiny()
     assert all(m.fp8 is None for m in plain.modules() if hasattr(m, "fp8"))
@@ -302,6 +307,11 @@ def test_auto_projections_take_fp8_where_it_pays():
     assert enc.fp8.skip == 0b10 and enc.self_attn.fp8.skip == 0b10
     assert dec.fp8.skip == 0b110010 and dec.encoder_attn.fp8 == fp8.Fp8Ref(state, dec.fp8.slot + 4, 0b11)
     assert kv.fp8.skip == 0
+    # the vocabulary projection (last slot) pays at 32000 x 1024; not below the rule, nor off the 16-grid
+    heads = [torch.nn.Linear(1024, v, bias=False) for v in (32000, 32008)] + [torch.nn.Linear(512, 32000)]
+    for h, skip in zip(heads, (0, 1, 1)):
+        st = attach_fp8([EncoderLayer(1024, 4096, 16)], fp8.E5M2, head=h)
+        assert st.linears == 5 and st.in_fp8 == 3 + (1 - skip) and h.fp8 == fp8.Fp8Ref(st, 4, skip)
     state.begin_forward(torch.device("cpu"))
     for m in (enc, dec, kv):
         m.train()
@@ -321,3 +331,74 @@ def test_small_model_with_fp8_warns_and_trains_in_its_own_precision(caplog):
         _, model = _tiny(fp8=True)
     assert model.encoder.fp8_state is None and all(m.fp8 is None for m in model.modules() if hasattr(m, "fp8"))
     assert "no projection of this model is large enough" in caplog.text and "--fp8-projections all" in caplog.text
+
+
+@pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
+@pytest.mark.parametrize("current", [True, False])
+def test_head_forward_and_backward_equal_the_linear_reference(grad_format, current):
+    """The vocabulary projection outside autograd (the CUDA-graph step's head) computes what the FP8 linear
+    computes: the same logits, input and weight gradients and the same recorded maxima, from the same codes."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 32, generator=g)
+    w = torch.randn(64, 32, generator=g) * 0.2
+    dy = torch.randn(37, 64, generator=g)
+    st_a, use_a = _use(grad_format, current=current)
+    st_b, use_b = _use(grad_format, current=current)
+    if not current:  # a history to scale from, the same in both
+        for st in (st_a, st_b):
+            st.tensor[:, fp8.HIST] = torch.tensor([3.0, 1.5, 4.0])
+            fp8.fp8_roll_reference(st.tensor, grad_format)
+    logits, saved = fp8.fp8_head_forward(x, w, use_a)
+    dx, dw = fp8.fp8_head_backward(dy, saved, use_a)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.fp8_linear_reference(xl, wl, None, use_b)
+    y.backward(dy)
+    assert torch.equal(logits, y.detach()) and torch.equal(dx, xl.grad) and torch.equal(dw, wl.grad)
+    assert torch.equal(st_a.tensor, st_b.tensor)
+    assert not torch.equal(logits, x @ w.t())  # it did quantise
+    _, no_dw = fp8.fp8_head_backward(dy, fp8.fp8_head_forward(x, w, use_a, keep_x=False)[1], use_a)
+    assert no_dw is None
+
+
+@pytest.mark.parametrize("own_backward", [False, True])
+def test_graph_steps_head_takes_fp8_for_the_vocabulary(own_backward):
+    """The CUDA-graph step's head under --fp8: the head's own backward (one cross-entropy pass, then FP8 GEMMs)
+    and autograd through the decoder's output layer give the same loss and gradients; both differ from the
+    head in the model's precision; evaluation mode leaves FP8 out."""
+    import types
+
+    from ls_fairseq.fairseq_ext.split_step import head_step
+    from tests.test_graph_step import _ScaledBackward, _model_and_criterion
+
+    d = make_dict(60)  # 64 symbols: a multiple of 16
+    m, crit = _model_and_criterion(d)
+    proj = m.decoder.output_projection
+    gen = torch.Generator().manual_seed(6)
+    feats = torch.randn(1, 12, proj.weight.shape[1], generator=gen, dtype=torch.float64)
+    rows = torch.tensor([0, 1, 2, 5, 6, 7, 9, 0])
+    target_rows = torch.randint(4, len(d), (8,), generator=gen)
+    target_rows[-1] = d.pad()
+
+    def run(fp8_on, own):
+        if fp8_on:
+            st = fp8.Fp8State(1, fp8.E5M2)
+            st.begin_forward(torch.device("cpu"))
+            proj.fp8 = fp8.Fp8Ref(st, 0, 0)
+        else:
+            proj.fp8 = None
+        proj.weight.grad = torch.zeros_like(proj.weight) if own else None
+        opt = _ScaledBackward(torch.tensor(2.0, dtype=torch.float64)) if own else \
+            types.SimpleNamespace(backward=lambda loss: (2.0 * loss).backward())
+        leaf = feats.clone().requires_grad_(True)
+        loss, nll, grad = head_step(m, crit, leaf, rows, target_rows, opt)
+        return loss.detach(), nll.detach(), grad.clone(), proj.weight.grad.clone()
+
+    got, other, plain = run(True, own_backward), run(True, not own_backward), run(False, own_backward)
+    for a, b in zip(got, other):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, plain):
+        assert not torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0.1, atol=0.05 * float(b.abs().max()))
+    m.eval()
+    proj.fp8 = fp8.Fp8Ref(fp8.Fp8State(1, fp8.E5M2), 0, 0)
+    assert fp8.fp8_now(proj) is None  # evaluation: the model's own precision

@@ -20,6 +20,7 @@ from ls_fairseq.fairseq_ext.packing import cross_varlen
 from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
 from ls_fairseq.modules.layer_norm import LayerNorm
 from ls_fairseq.modules.positional import make_positions
+from ls_fairseq.ops.fp8 import fp8_now
 
 
 def _right_padded_only(pad_mask):
@@ -178,7 +179,8 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         return x, {"attn": [None], "inner_states": inner_states}
 
     def output_layer(self, features):
-        return ops.linear(features, self.output_projection.weight)
+        # under --fp8 (training only) the vocabulary projection's slot in the FP8 state, else None
+        return ops.linear(features, self.output_projection.weight, fp8=fp8_now(self.output_projection))
 
     # ------------------------------------------------------------- beam search
     def reorder_incremental_state(self, incremental_state, new_order):

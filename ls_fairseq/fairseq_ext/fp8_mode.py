@@ -1,10 +1,10 @@
 """``--fp8``: the model flags that run ls_transformer's projections as FP8 GEMMs while training.
 
 The projections of the encoder and decoder layers (self-attention QKV and output, cross-attention query and
-output, both FFN layers) and the layer-batched cross-attention K/V take the FP8 path of
-ls_fairseq/ops/fp8.py where it pays (:func:`fp8_pays`), each with its slot in one FP8 scaling state per model
+output, both FFN layers), the layer-batched cross-attention K/V and the vocabulary projection take the FP8 path
+of ls_fairseq/ops/fp8.py where it pays (:func:`fp8_pays`), each with its slot in one FP8 scaling state per model
 (:func:`attach_fp8`); the other projections, embeddings,
-layer norms, attention, the vocabulary projection and the loss keep the model's bf16/fp16, and ls_adam's fp32
+layer norms, attention and the loss keep the model's bf16/fp16, and ls_adam's fp32
 master weights are unchanged. FP8 applies only in training mode: validation, fairseq-validate and
 fairseq-generate run in the model's own precision, and checkpoints hold the usual bf16/fp16/fp32 weights, so a
 model trained with --fp8 evaluates and loads anywhere. The scaling state is not part of a checkpoint: a resumed
@@ -18,7 +18,7 @@ import torch
 
 from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
 from ls_fairseq.modules.encoder_layer import EncoderLayer
-from ls_fairseq.ops.fp8 import FORMATS, Fp8Ref, Fp8State, fp8_unavailable_reason, mode_of
+from ls_fairseq.ops.fp8 import FORMATS, Fp8Ref, Fp8State, fp8_unavailable_reason, mode_of, shapes_ok
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,13 @@ def _projections(m) -> list:
 
 
 def attach_fp8(modules: Iterable[torch.nn.Module], grad_format: int,
-               select: Callable[[torch.Tensor], bool] = fp8_pays) -> Optional[Fp8State]:
+               select: Callable[[torch.Tensor], bool] = fp8_pays,
+               head: Optional[torch.nn.Module] = None) -> Optional[Fp8State]:
     """Give the FP8-capable ``modules`` (layers and the batched cross K/V, in order) their slots in one new
     :class:`Fp8State` and return it. Projections whose weight ``select`` refuses keep their slot but stay in the
-    model's precision; None when no projection is left in FP8."""
+    model's precision; None when no projection is left in FP8. ``head``: the vocabulary projection (a module
+    with ``weight`` [vocab, C]), which takes the last slot; it stays in the model's precision unless ``select``
+    takes it and its sizes are multiples of 16."""
     refs = []
     n = used = 0
     for m in modules:
@@ -80,6 +83,10 @@ def attach_fp8(modules: Iterable[torch.nn.Module], grad_format: int,
             refs.append((m, n, 0 if select(m.weight) else 1))
             used += refs[-1][2] == 0
             n += 1
+    if head is not None:
+        refs.append((head, n, 0 if shapes_ok(head.weight) and select(head.weight) else 1))
+        used += refs[-1][2] == 0
+        n += 1
     if used == 0:
         return None
     state = Fp8State(n, grad_format, used)
@@ -95,7 +102,8 @@ def set_fp8_mode(model, args) -> int:
     state = None
     if mode:
         everything = getattr(args, "fp8_projections", "auto") == "all"
-        state = attach_fp8(model.modules(), mode - 1, (lambda w: True) if everything else fp8_pays)
+        head = getattr(model.decoder, "output_projection", None)
+        state = attach_fp8(model.modules(), mode - 1, (lambda w: True) if everything else fp8_pays, head)
         if state is None:
             logger.warning("--fp8: no projection of this model is large enough to run faster in FP8 (%s); it "
                            "trains in its own precision (--fp8-projections all forces FP8)", _rule())

@@ -64,11 +64,18 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
         grad_out.copy_(features.grad)
         return loss, nll, grad_out
     from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad
+    from ls_fairseq.ops.fp8 import fp8_head_backward, fp8_head_forward, fp8_now, shapes_ok
 
     C = features.shape[-1]
+    fp8 = fp8_now(model.decoder.output_projection)  # --fp8: the projection's three GEMMs in FP8
+    if fp8 is not None and not shapes_ok(w):
+        fp8 = None
     with torch.no_grad():
         x = features.reshape(-1, C).index_select(0, rows)
-        logits = torch.mm(x, w.t())
+        if fp8 is None:
+            logits = torch.mm(x, w.t())
+        else:
+            logits, saved = fp8_head_forward(x, w, fp8)
 
         def backward(scale):
             loss, nll = label_smoothed_cross_entropy_with_grad(logits, target_rows, criterion.eps,
@@ -76,8 +83,13 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
             # logits now hold d(scale * loss) / d logits
             g = torch.zeros_like(features) if grad_out is None else grad_out.zero_()
             # (rows repeats row 0 for the ignored targets that round its count up: their gradient rows are zeros)
-            g.view(-1, C).index_add_(0, rows, torch.mm(logits, w))
-            w.grad.addmm_(logits.t(), x)
+            if fp8 is None:
+                g.view(-1, C).index_add_(0, rows, torch.mm(logits, w))
+                w.grad.addmm_(logits.t(), x)
+            else:
+                dx, dw = fp8_head_backward(logits, saved, fp8)
+                g.view(-1, C).index_add_(0, rows, dx)
+                w.grad.add_(dw)
             return loss, nll, g
 
         return optimizer.backward_by(backward)

@@ -225,6 +225,60 @@ def fp8_linear_reference(x, weight, bias, use: Fp8Use):
     return _Fp8LinearReference.apply(x, weight, bias, use)
 
 
+class Fp8HeadSaved(NamedTuple):
+    """What the vocabulary projection's FP8 backward needs of its forward (:func:`fp8_head_forward`)."""
+    xq: Optional[torch.Tensor]  # the features' codes (the reference only)
+    wq: Optional[torch.Tensor]  # the weight's codes (the reference only)
+    xq_t: Optional[torch.Tensor]  # the features' transposed codes
+    wq_t: Optional[torch.Tensor]  # the weight's transposed codes
+    sx: torch.Tensor  # 1/s of the features
+    sw: torch.Tensor  # 1/s of the weight
+
+
+def fp8_head_forward(x: torch.Tensor, weight: torch.Tensor, use: Fp8Use, keep_x: bool = True):
+    """The logits ``x W^T`` of the vocabulary projection as an FP8 GEMM, outside autograd (the CUDA-graph step's
+    head, ls_fairseq/fairseq_ext/split_step.py): (logits in x's dtype, what :func:`fp8_head_backward` needs).
+    x [rows, C], weight [vocab, C] with sizes that are multiples of 16. ``keep_x``: keep x's transposed codes for
+    the weight's gradient. On CUDA the quantising kernels and torch's FP8 GEMM; elsewhere the fp32 reference of
+    the same codes."""
+    st, r = use.state, 3 * use.slot
+    mod = _fp8_extension(x, "fp8_quantize")
+    if mod is not None:
+        xq, xq_t = mod.fp8_quantize(x, st, r, E4M3, use.current, True, keep_x)
+        wq, wq_t = mod.fp8_quantize(weight, st, r + 1, E4M3, use.current, True, True)
+        sx, sw = st[r, SCALE_INV], st[r + 1, SCALE_INV]
+        logits = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=True)
+        return logits, Fp8HeadSaved(None, None, xq_t, wq_t, sx, sw)
+    xq, _ = fp8_quantize_reference(x, st, r, E4M3, use.current)
+    wq, _ = fp8_quantize_reference(weight, st, r + 1, E4M3, use.current)
+    sx, sw = st[r, SCALE_INV].clone(), st[r + 1, SCALE_INV].clone()
+    logits = (_dequantize(xq, sx) @ _dequantize(wq, sw).t()).to(x.dtype)
+    return logits, Fp8HeadSaved(xq if keep_x else None, wq, None, None, sx, sw)
+
+
+def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw: bool = True):
+    """(dx, dW or None) of :func:`fp8_head_forward` for the logits' gradient ``g`` [rows, vocab]: both GEMMs in
+    FP8 from g's codes in the gradient format, in g's dtype."""
+    st, r = use.state, 3 * use.slot + 2
+    need_dw = need_dw and (saved.xq_t is not None or saved.xq is not None)
+    mod = _fp8_extension(g, "fp8_quantize")
+    if mod is not None:
+        gq, gq_t = mod.fp8_quantize(g, st, r, use.grad_format, use.current, True, need_dw)
+        sg = st[r, SCALE_INV]
+        dx = torch._scaled_mm(gq, saved.wq_t.t(), scale_a=sg, scale_b=saved.sw, out_dtype=g.dtype,
+                              use_fast_accum=True)
+        dw = None
+        if need_dw:
+            dw = torch._scaled_mm(gq_t, saved.xq_t.t(), scale_a=sg, scale_b=saved.sx, out_dtype=g.dtype,
+                                  use_fast_accum=True)
+        return dx, dw
+    gq, _ = fp8_quantize_reference(g, st, r, use.grad_format, use.current)
+    gd = _dequantize(gq, st[r, SCALE_INV])
+    dx = (gd @ _dequantize(saved.wq, saved.sw)).to(g.dtype)
+    dw = (gd.t() @ _dequantize(saved.xq, saved.sx)).to(g.dtype) if need_dw else None
+    return dx, dw
+
+
 def _fp8_extension(x, entry: str):
     """The extension when it can run its FP8 node ``entry`` on x (a bf16/fp16 CUDA tensor), else None."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
