@@ -7,8 +7,12 @@ curves side by side, the final sacreBLEU of each run and the relative difference
 
     python benchmarks/quality.py --out OUT [--pairs 300000] [--arch transformer_wmt_en_de]
         [--max-update 2000] [--validate-every 250] [--lr 3e-4] [--clip-norm 1.0] [--schedule linear_decay]
-        [--runs native_fp16,ls_fp16,ls_bf16,ls-fp8_bf16,ls-fp8-e4m3_bf16]
+        [--runs native_fp16,ls_fp16,ls_bf16,ls-fp8_bf16,ls-fp8-e4m3_bf16,ls-fp8-all_bf16]
     python benchmarks/quality.py --out /tmp/q --cpu-smoke      # tiny, fp32, on the CPU
+
+Runs: KIND_PRECISION, KIND one of native, ls, ls-fp8 (--fp8) and ls-fp8 with options: -e4m3 / -e5m2 (the gradient
+format), -all (--fp8-projections all: every projection in FP8, the vocabulary projection too, which the toy
+vocabulary is too small for under auto).
 """
 
 import argparse
@@ -40,7 +44,8 @@ def prepare(out, pairs, workers):
         "--valid", "2000", "--test", "2000"], os.path.join(out, "corpus.log"))
     sh(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary",
         "--trainpref", os.path.join(raw, "train"), "--validpref", os.path.join(raw, "valid"),
-        "--testpref", os.path.join(raw, "test"), "--destdir", bin_dir, "--workers", str(workers)],
+        "--testpref", os.path.join(raw, "test"), "--destdir", bin_dir, "--workers", str(workers),
+        "--padding-factor", "16"],  # a vocabulary of a multiple of 16: FP8 can take the vocabulary projection
        os.path.join(out, "preprocess.log"))
     return bin_dir
 
@@ -57,7 +62,7 @@ SCHEDULES = {
 
 
 def train_flags(kind, prec, args, bin_dir, save_dir):
-    ls = kind.startswith("ls")  # ls, ls-fp8 (--fp8), ls-fp8-e4m3 / ls-fp8-e5m2 (--fp8 with that gradient format)
+    ls = kind.startswith("ls")  # ls, ls-fp8 (--fp8) and its variants (below)
     flags = [bin_dir, "--arch", ("ls_" if ls else "") + args.arch, "--share-all-embeddings",
              "--lr", str(args.lr), "--warmup-updates", str(args.warmup), *SCHEDULES[args.schedule](args),
              "--adam-betas", "(0.9, 0.98)", "--label-smoothing", "0.1", "--seed", "1",
@@ -68,8 +73,10 @@ def train_flags(kind, prec, args, bin_dir, save_dir):
     flags += ["--optimizer", "ls_adam", "--criterion", "ls_label_smoothed_cross_entropy"] if ls else \
         ["--optimizer", "adam", "--criterion", "label_smoothed_cross_entropy"]
     flags += {"fp16": ["--fp16"], "bf16": ["--bf16"], "fp32": []}[prec]
-    if kind.startswith("ls-fp8"):
-        flags += ["--fp8"] + (["--fp8-grad-format", kind.split("-")[2]] if kind.count("-") == 2 else [])
+    if kind.startswith("ls-fp8"):  # ls-fp8[-e4m3|-e5m2][-all]: the gradient format; all: --fp8-projections all
+        flags += ["--fp8"]
+        for opt in kind.split("-")[2:]:
+            flags += ["--fp8-projections", "all"] if opt == "all" else ["--fp8-grad-format", opt]
     if args.cpu_smoke:
         flags += ["--cpu", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
                   "--decoder-ffn-embed-dim", "128", "--encoder-layers", "2", "--decoder-layers", "2",

@@ -146,9 +146,11 @@ for l in $SRC $TGT; do
 done
 
 # ---- 5. binarise ------------------------------------------------------------------------------------
+# --padding-factor 16: a vocabulary of a multiple of 16 words (the FP8 GEMM's tile), so that --fp8 also runs the
+# vocabulary projection in FP8 (fairseq's default pads to a multiple of 8)
 fairseq-preprocess --source-lang $SRC --target-lang $TGT \
   --trainpref "$WORK_DIR/train" --validpref "$WORK_DIR/valid" --testpref "$WORK_DIR/test" \
-  --destdir "$DEST_DIR" --joined-dictionary --workers "$WORKERS"
+  --destdir "$DEST_DIR" --joined-dictionary --padding-factor 16 --workers "$WORKERS"
 cp "$CODES" "$DEST_DIR/code"
 cp "$WORK_DIR/test.raw.$SRC" "$WORK_DIR/test.raw.$TGT" "$DEST_DIR/"
 echo "done: binarised data in $DEST_DIR (BPE codes and raw newstest2014 copied there)"
