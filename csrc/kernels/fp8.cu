@@ -35,7 +35,6 @@
 
 #include "kernels/act_dropout.cuh"
 #include "kernels/colsum.cuh"
-#include "kernels/layer_norm.cuh"
 
 namespace ls {
 
@@ -320,86 +319,6 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
   }
 }
 
-// The layer norm of x [M, C] written only as FP8 codes under the row's delayed scale: y = layer_norm(x) as
-// layer_norm_fwd computes it (the same row arithmetic, layer_norm.cuh; rounded to T), never stored, quantised to
-// out [M, C] and out_t [C, Mp] (transposed, zero columns beyond M), with mean and rstd [M] for the backward. A block
-// normalises tiles of kLnTileRows rows, TY rows at a time (blockDim (TX, TY) with TX = ln_shape(C).tx), keeps their
-// codes in shared memory and writes them transposed, one 16-byte word per column. C % 16 == 0, C <= kLnCastMaxC.
-constexpr int kLnTileRows = 16;
-template <typename T>
-__global__ void __launch_bounds__(1024) ln_cast_kernel(const T* __restrict__ x, const T* __restrict__ gamma,
-                                                       const T* __restrict__ beta, float* __restrict__ mean_out,
-                                                       float* __restrict__ rstd_out, int64_t M, int C, float eps,
-                                                       float* __restrict__ row, uint8_t* __restrict__ out,
-                                                       uint8_t* __restrict__ out_t, int64_t Mp) {
-  __shared__ float2 red[32];
-  __shared__ __align__(16) uint8_t tile[kLnTileRows * kLnCastMaxC];
-  const float s = row[kFp8Scale];
-  const int c0 = 8 * threadIdx.x;
-  const bool col = c0 < C;  // C % 16 == 0: a thread's 8 columns are all in or all out
-  float g[8], b[8];
-  if (col) {
-    load8(gamma + c0, g);
-    load8(beta + c0, b);
-  }
-  unsigned m = 0u;
-  const int lin = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
-  for (int64_t t = blockIdx.x; t * kLnTileRows < Mp; t += gridDim.x) {
-    const int64_t m0 = t * kLnTileRows;
-    for (int rr = threadIdx.y; rr < kLnTileRows; rr += blockDim.y) {  // kLnTileRows % blockDim.y == 0
-      const int64_t r = m0 + rr;
-      const int n = r < M && col ? 8 : 0;
-      float v[8];
-      if (n > 0) load8(x + r * C + c0, v);
-      else {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = 0.f;
-      }
-      float mean, rstd;
-      ln_row_stats(v, n, C, eps, red, mean, rstd);
-      uint2 packed = make_uint2(0u, 0u);  // rows beyond M: zero codes (the transposed layout's padding)
-      if (n > 0) {
-        float o[8];
-        ln_affine(v, mean, rstd, g, b, o);
-        uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float a0 = to_f(from_f<T>(o[2 * k])), a1 = to_f(from_f<T>(o[2 * k + 1]));
-          m = max(m, max(abs_bits(a0), abs_bits(a1)));
-          h[k] = to_fp8x2(a0 * s, a1 * s, Fp8Format::E4M3);
-        }
-        if (out != nullptr) *reinterpret_cast<uint2*>(out + r * C + c0) = packed;
-        if (threadIdx.x == 0) {
-          mean_out[r] = mean;
-          rstd_out[r] = rstd;
-        }
-      }
-      if (col) *reinterpret_cast<uint2*>(tile + rr * C + c0) = packed;
-    }
-    __syncthreads();
-    if (out_t != nullptr) {
-      for (int k = lin; k < C; k += nthreads) {  // column k of the tile: 16 bytes of transposed row k
-        uint4 w;
-        uint8_t* wb = reinterpret_cast<uint8_t*>(&w);
-#pragma unroll
-        for (int i = 0; i < kLnTileRows; ++i) wb[i] = tile[i * C + k];
-        *reinterpret_cast<uint4*>(out_t + (int64_t)k * Mp + m0) = w;
-      }
-    }
-    __syncthreads();
-  }
-  __shared__ unsigned warp_max[32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((lin & 31) == 0) warp_max[lin >> 5] = m;
-  __syncthreads();
-  if (lin == 0) {
-    for (int w = 1; w < nthreads / 32; ++w) m = max(m, warp_max[w]);
-    atomicMax(reinterpret_cast<unsigned*>(row + kFp8Amax), m);
-    if (m >= 0x7f800000u) row[kFp8ScaleInv] = __int_as_float(0x7fc00000);  // inf/NaN in y: a NaN product
-  }
-}
-
 __global__ void roll_kernel(float* __restrict__ state, int64_t rows, Fp8Format grad_fmt) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= rows) return;
@@ -490,36 +409,6 @@ void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* ke
                                                  stream));
   }
   check_launch("fp8_bias_act_dropout", stream);
-}
-
-void fp8_layer_norm(DType dt, const void* x, const void* gamma, const void* beta, float* mean, float* rstd,
-                    int64_t M, int C, float eps, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
-  if (M <= 0) return;
-  if (C % 16 != 0 || C > kLnCastMaxC || Mp % kLnTileRows != 0 || Mp < M)
-    throw std::runtime_error("fp8_layer_norm: sizes out of range");
-  const int tx = ln_shape(C).tx;
-  int ty = 1;
-  while (ty * 2 <= kLnTileRows && tx * ty * 2 <= 512) ty *= 2;
-  const int threads = tx * ty;
-  const int64_t tiles = Mp / kLnTileRows;
-  LS_DISPATCH(dt, T, {
-    auto kernel = ln_cast_kernel<T>;
-    static int per_sm[kLnTileRows + 1] = {};  // by ty: the blocks an SM holds (CUDA's occupancy calculator)
-    if (per_sm[ty] == 0) {
-      int n = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess) {
-        cudaGetLastError();
-        n = 0;
-      }
-      per_sm[ty] = n > 0 ? n : 1;
-    }
-    const int64_t resident = (int64_t)per_sm[ty] * num_sms();
-    const int grid = (int)(tiles < resident ? tiles : resident);
-    kernel<<<grid, dim3(tx, ty), 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(gamma),
-                                              static_cast<const T*>(beta), mean, rstd, M, C, eps, row,
-                                              static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp);
-  });
-  check_launch("fp8_layer_norm", stream);
 }
 
 int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp) { return tile_rows(M, Mp) * K; }

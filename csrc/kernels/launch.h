@@ -213,12 +213,6 @@ void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* ke
 // out and/or out_t as fp8_quantize's; dbias (nullable): the bias gradient, the fp32 column sum of the unrounded
 // values, deterministic, through partial (fp8_grad_partial_floats(M, K, Mp) floats). x nullptr with relu: keep
 // holds the bits of a > 0; otherwise keep holds the keep bits (nullptr: no dropout). 16-byte aligned pointers.
-// The layer norm of x [M, C] (layer_norm_fwd's arithmetic, no residual) written only as e4m3 codes under the row's
-// delayed scale, with its maximum recorded: out [M, C] and/or out_t [C, Mp] as fp8_quantize's (Mp a multiple of 16),
-// mean and rstd [M] as layer_norm_fwd's. C a multiple of 16, at most kLnCastMaxC; x, gamma, beta 16-byte aligned.
-constexpr int kLnCastMaxC = 2048;
-void fp8_layer_norm(DType dt, const void* x, const void* gamma, const void* beta, float* mean, float* rstd,
-                    int64_t M, int C, float eps, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream);
 int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp);
 void fp8_act_dropout_grad(DType dt, const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M,
                           int64_t K, float p, Act act, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp,

@@ -20,9 +20,47 @@
 #include <initializer_list>
 
 #include "kernels/colsum.cuh"
-#include "kernels/layer_norm.cuh"
 
 namespace ls {
+
+constexpr int kMaxC = 8192;
+
+struct LnShape {
+  int tx, ty;
+};
+
+static LnShape ln_shape(int C) {
+  int tx = ((C + 7) / 8 + 31) / 32 * 32;
+  int ty = tx >= 256 ? 1 : 256 / tx;
+  return {tx, ty};
+}
+
+// Sums v over the TX threads of this thread's row; all threads of the block must call it.
+__device__ __forceinline__ float2 row_sum2(float2 v, float2* red) {
+  v.x = warp_sum(v.x);
+  v.y = warp_sum(v.y);
+  const int lin = threadIdx.y * blockDim.x + threadIdx.x;
+  const int warps_per_row = blockDim.x / 32;
+  if ((lin & 31) == 0) red[lin >> 5] = v;
+  __syncthreads();
+  float2 s = make_float2(0.f, 0.f);
+  for (int w = 0; w < warps_per_row; ++w) {
+    float2 t = red[threadIdx.y * warps_per_row + w];
+    s.x += t.x;
+    s.y += t.y;
+  }
+  __syncthreads();
+  return s;
+}
+
+template <bool VEC, typename T>
+__device__ __forceinline__ void ld(const T* p, int n, float (&v)[8]) {
+  if (VEC) load8(p, v); else load_n(p, n, v);
+}
+template <bool VEC, typename T>
+__device__ __forceinline__ void st(T* p, int n, const float (&v)[8]) {
+  if (VEC) store8(p, v); else store_n(p, n, v);
+}
 
 // ================================================================ forward
 template <typename T, bool VEC>
@@ -50,13 +88,24 @@ __global__ void __launch_bounds__(1024) layer_norm_fwd_kernel(
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = 0.f;
   }
-  float mean, rstd;
-  ln_row_stats(v, n, C, eps, red, mean, rstd);
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) s += v[k];
+  const float mean = row_sum2(make_float2(s, 0.f), red).x / C;
+  float q = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float d = k < n ? v[k] - mean : 0.f;
+    q += d * d;
+  }
+  const float var = row_sum2(make_float2(q, 0.f), red).x / C;
+  const float rstd = rsqrtf(var + eps);
   if (n > 0) {
     float g[8], b[8], o[8];
     ld<VEC>(gamma + c0, n, g);
     ld<VEC>(beta + c0, n, b);
-    ln_affine(v, mean, rstd, g, b, o);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o[k] = (v[k] - mean) * rstd * g[k] + b[k];
     st<VEC>(y + i0, n, o);
   }
   if (valid_row && threadIdx.x == 0) {

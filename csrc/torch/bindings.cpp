@@ -99,14 +99,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_fp8_linear_split", guarded(&ag_fp8_linear_split),
         "differentiable x W^T (+ b) split into n parts of heads [B, H, T, D], the projection in FP8, as one node "
         "(fp8.cpp)", py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"),
-        py::arg("mode"), py::arg("state"), py::arg("slot"), py::arg("ln_weight") = none, py::arg("ln_bias") = none,
-        py::arg("ln_eps") = 1e-5);
+        py::arg("mode"), py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_ffn", guarded(&ag_fp8_ffn),
-        "differentiable dropout(act(x W1^T + b1)) W2^T, both projections in FP8 as one node: [y, mask] (fp8.cpp); "
-        "with ln_weight / ln_bias the pre-LN layer norm in front, its output only as codes: [y, mask, x]",
+        "differentiable dropout(act(x W1^T + b1)) W2^T, both projections in FP8 as one node: [y, mask] (fp8.cpp)",
         py::arg("x"), py::arg("w1"), py::arg("b1") = none, py::arg("w2"), py::arg("activation"), py::arg("p"),
-        py::arg("mode"), py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true,
-        py::arg("ln_weight") = none, py::arg("ln_bias") = none, py::arg("ln_eps") = 1e-5);
+        py::arg("mode"), py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true);
   // packed sequences when cu_q is given (with cu_k, max_q, max_k: ops.h)
   m.def("short_attention_fits", guarded(+[](const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
                                              const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q,

@@ -118,102 +118,17 @@ void check_projection(const char* op, const Tensor& x, const Tensor& weight, con
              bias->scalar_type());
 }
 
-// The forward's GEMM from x's codes (xq; xq_t: its transposed codes, or undefined) and what the backward keeps:
-// [y2 in dtype, xq_t, W's transposed codes, 1/s of x, 1/s of W]
-std::vector<Tensor> linear_forward_codes(const Tensor& xq, const Tensor& xq_t, const Tensor& weight,
-                                         const OptTensor& bias, const Use& u, at::ScalarType dtype) {
-  auto [wq, wq_t] = quantize("fp8_linear", weight, u.state, u.row(1), ls::Fp8Format::E4M3, u.current, true, true);
-  Tensor sx = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
-  // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes
-  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, dtype, true);
-  return {y2, xq_t, wq_t, sx, sw};
-}
-
-// The same from x2 itself, quantised first
+// The forward's GEMM and what the backward keeps: [y2, x's transposed codes (or undefined), W's transposed codes,
+// 1/s of x, 1/s of W]
 std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias, const Use& u,
                                    bool keep_x) {
-  auto [xq, xq_t] = quantize("fp8_linear", x2, u.state, u.row(0), ls::Fp8Format::E4M3, u.current, true, keep_x);
-  return linear_forward_codes(xq, xq_t, weight, bias, u, x2.scalar_type());
-}
-
-// A pre-LN block's layer norm in front of an FP8 node: the node takes the layer norm's input x, whose normalised rows
-// exist only as the projection's input codes (one pass, fp8_layer_norm: delayed scaling only), and returns x again
-// as its last output, the residual, whose gradient its backward adds in the layer norm's backward (as the
-// PreLayerNormNode of autograd.cpp does). Every value equals the chain pre_layer_norm -> node bit for bit. Under
-// current scaling (the first step) the node runs that chain itself: the scale needs the output's own maximum first.
-struct Norm {
-  Tensor weight, bias;
-  double eps;
-  bool on() const { return weight.defined(); }
-};
-
-Norm norm_of(const char* op, const OptTensor& w, const OptTensor& b, double eps, const Tensor& x) {
-  if (!present(w)) {
-    LS_CHECK(!present(b), op, ": a layer-norm bias needs its weight");
-    return {Tensor(), Tensor(), eps};
-  }
-  LS_CHECK(present(b), op, ": the layer norm needs its bias too");
-  LS_CHECK(fp8_norm_fits(x, *w, *b), op, ": the layer norm in front of an FP8 projection takes a bf16/fp16 CUDA ",
-           "input whose rows are a multiple of 16 long (at most ", ls::kLnCastMaxC,
-           ") and a weight and bias of its dtype; got ", x.sizes(), " ", x.scalar_type());
-  return {contig(*w), contig(*b), eps};
-}
-
-// [x's codes, its transposed codes (keep_x; else undefined), mean, rstd] of layer_norm(x2) under u's input row
-std::vector<Tensor> norm_codes(const char* op, const Tensor& x2_in, const Norm& ln, const Use& u, bool keep_x) {
-  LS_CHECK(!u.current, op, ": the layer norm writes FP8 codes under delayed scaling only");
-  Tensor x2 = aligned(contig(x2_in)), g = aligned(ln.weight), b = aligned(ln.bias);
-  const int64_t M = x2.size(0), C = x2.size(1);
-  Tensor q, q_t;
-  std::tie(q, q_t) = empty_codes(x2, M, C, ls::Fp8Format::E4M3, true, keep_x);
-  auto f32 = x2.options().dtype(at::kFloat);
-  Tensor mean = at::empty({M}, f32), rstd = at::empty({M}, f32);
-  c10::cuda::CUDAGuard guard(x2.device());
-  launch(op, [&] {
-    ls::fp8_layer_norm(to_dtype(op, x2), x2.data_ptr(), g.data_ptr(), b.data_ptr(), mean.data_ptr<float>(),
-                       rstd.data_ptr<float>(), M, (int)C, (float)ln.eps,
-                       u.state.data_ptr<float>() + u.row(0) * ls::kFp8Width, q.data_ptr(),
-                       keep_x ? q_t.data_ptr() : nullptr, padded16(M), stream());
-  });
-  return {q, q_t, mean, rstd};
-}
-
-// The forward's GEMM of a node's first projection, from x2 or (ln on) from layer_norm(x2): linear_forward's outputs,
-// then mean and rstd (undefined without the layer norm)
-std::vector<Tensor> first_forward(const char* op, const Tensor& x2, const Norm& ln, const Tensor& weight, const Use& u,
-                                  bool keep_x) {
-  if (!ln.on()) {
-    auto f = linear_forward(x2, weight, std::nullopt, u, keep_x);
-    f.push_back(Tensor());
-    f.push_back(Tensor());
-    return f;
-  }
-  auto c = norm_codes(op, x2, ln, u, keep_x);
-  auto f = linear_forward_codes(c[0], c[1], weight, std::nullopt, u, x2.scalar_type());
-  f.push_back(c[2]);
-  f.push_back(c[3]);
-  return f;
-}
-
-// What the node keeps for the layer norm's backward: [x2, weight, mean, rstd] (all undefined without it)
-std::vector<Tensor> norm_saved(const Tensor& x2, const Norm& ln, const std::vector<Tensor>& f) {
-  if (!ln.on()) return {Tensor(), Tensor(), Tensor(), Tensor()};
-  return {x2, ln.weight, f[5], f[6]};
-}
-void keep_norm_info(AutogradContext* ctx, const Norm& ln) {
-  ctx->saved_data["ln"] = ln.on();
-  ctx->saved_data["ln_bdt"] = static_cast<int64_t>(ln.on() ? ln.bias.scalar_type() : at::kFloat);
-}
-
-// [dx, dweight, dbias] of the layer norm from the gradient of its output (dy2 [M, C]) and of the residual (gres,
-// undefined: none), s = norm_saved's tensors
-std::vector<Tensor> norm_backward(AutogradContext* ctx, const Tensor& dy2, const Tensor& gres, const Tensor* s) {
-  const Tensor& x2 = s[0];
-  OptTensor dsum = gres.defined() ? OptTensor(contig(gres.reshape(x2.sizes()))) : std::nullopt;
-  auto r = layer_norm_bwd(contig(dy2), dsum, x2, s[1], s[2], s[3]);
-  const auto bdt = static_cast<at::ScalarType>(ctx->saved_data["ln_bdt"].toInt());
-  return {r[0], r[1].scalar_type() == s[1].scalar_type() ? r[1] : r[1].to(s[1].scalar_type()),
-          r[2].scalar_type() == bdt ? r[2] : r[2].to(bdt)};
+  const char* op = "fp8_linear";
+  auto [xq, xq_t] = quantize(op, x2, u.state, u.row(0), ls::Fp8Format::E4M3, u.current, true, keep_x);
+  auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, u.current, true, true);
+  Tensor sx = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
+  // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes
+  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, x2.scalar_type(), true);
+  return {y2, xq_t, wq_t, sx, sw};
 }
 
 // The backward's GEMMs from the output gradient's codes: dx = dY W from gq [M, N] (undefined: no dx), dW = dY^T x
@@ -293,14 +208,6 @@ struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
 }  // namespace
 
 bool fp8_linear_shapes_ok(const Tensor& weight) { return weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0; }
-bool fp8_norm_fits(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  const int64_t C = x.dim() >= 1 ? x.size(-1) : 0;
-  const auto dt = x.scalar_type();
-  return x.is_cuda() && (dt == at::kBFloat16 || dt == at::kHalf) && C % 16 == 0 && C >= 16 &&
-         C <= ls::kLnCastMaxC && weight.defined() && bias.defined() && weight.dim() == 1 && bias.dim() == 1 &&
-         weight.size(0) == C && bias.size(0) == C && weight.scalar_type() == dt && bias.scalar_type() == dt &&
-         weight.device() == x.device() && bias.device() == x.device();
-}
 
 namespace {
 
@@ -484,25 +391,20 @@ namespace {
 struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
                                const Tensor& w2, const std::string& activation, double p, int64_t mode,
-                               const Tensor& state, int64_t slot1, int64_t slot2, bool keep_codes,
-                               const OptTensor& ln_w, const OptTensor& ln_b, double ln_eps) {
+                               const Tensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
     const char* op = "fp8_ffn";
     const Use u1 = use_of(op, mode, state, slot1, x);  // slot2: checked by ag_fp8_ffn and fp8_act_linear_forward
-    const Norm ln{present(ln_w) ? *ln_w : Tensor(), present(ln_b) ? *ln_b : Tensor(), ln_eps};  // checked by ag_fp8_ffn
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
-    // [h2, xq_t, w1q_t, sx, sw1, mean, rstd]
-    auto f1 = first_forward(op, x2, ln, w1, u1, w1.requires_grad());
+    auto f1 = linear_forward(x2, w1, std::nullopt, u1, w1.requires_grad());  // [h2, xq_t, w1q_t, sx, sw1]
     const bool relu_bits = keep_codes && activation == "relu";  // relu's backward needs only the bits of a > 0
     auto f2 = fp8_act_linear_forward(f1[0], b1, w2, activation, p, mode, state, slot2, keep_codes, relu_bits);
     auto sizes = x.sizes().vec();
     sizes.back() = w2.size(0);
     ctx->set_materialize_grads(false);
-    // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state  (layer norm: x2 weight mean rstd)
-    auto n = norm_saved(x2, ln, f1);
+    // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state
     ctx->save_for_backward({relu_bits ? Tensor() : f1[0], f2[1], f1[1], f1[2], f1[3], f1[4], f2[2], f2[3], f2[4],
-                            f2[5], present(b1) ? *b1 : Tensor(), state, n[0], n[1], n[2], n[3]});
+                            f2[5], present(b1) ? *b1 : Tensor(), state});
     ctx->mark_non_differentiable({f2[1]});
-    keep_norm_info(ctx, ln);
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["act"] = activation;
     ctx->saved_data["p"] = p;
@@ -512,20 +414,14 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     ctx->saved_data["slot2"] = slot2;
     ctx->saved_data["w1key"] = key_value(w1);
     ctx->saved_data["w2key"] = key_value(w2);
-    if (ln.on()) return {at::_unsafe_view(f2[0], sizes), f2[1], x.view_as(x)};
     return {at::_unsafe_view(f2[0], sizes), f2[1]};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const char* op = "fp8_ffn backward";
     const Tensor& g = grads[0];
-    const bool ln = ctx->saved_data["ln"].toBool();
-    const Tensor gres = ln && grads.size() > 2 ? grads[2] : Tensor();  // the residual's gradient
-    variable_list out(14);
-    if (!g.defined()) {
-      out[0] = gres;
-      return out;
-    }
+    const variable_list none(11);
+    if (!g.defined()) return none;
     auto s = ctx->get_saved_variables();
     const Tensor &h2 = s[0], &mask_t = s[1], &xq_t = s[2], &w1q_t = s[3], &sx = s[4], &sw1 = s[5];
     const OptTensor b1 = opt_of(s[10]);
@@ -536,8 +432,7 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     const int64_t mode = ctx->saved_data["mode"].toInt(), slot2 = ctx->saved_data["slot2"].toInt();
     const Use u1 = use_of(op, mode, state, ctx->saved_data["slot1"].toInt(), g);
     const OptTensor mask = p > 0 || relu_bits ? OptTensor(mask_t) : std::nullopt;
-    // with the layer norm its backward needs the gradient of its output whatever x needs
-    const bool need_dx = ctx->needs_input_grad(0) || ln, need_dw1 = ctx->needs_input_grad(1) && xq_t.defined();
+    const bool need_dx = ctx->needs_input_grad(0), need_dw1 = ctx->needs_input_grad(1) && xq_t.defined();
     const bool need_db = present(b1) && ctx->needs_input_grad(2), need_dw2 = ctx->needs_input_grad(3);
 
     Tensor g2 = contig(g.reshape({-1, g.size(-1)}));
@@ -549,13 +444,9 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
                             need_dw1, need_db);
     auto [dx2, dw1] = backward_gemms(c[0], c[1], scale_inv_of(state, u1.row(2)), xq_t, w1q_t, sx, sw1,
                                      g2.scalar_type(), g2.scalar_type(), key_of(ctx, "w1key"));
-    if (ln) {
-      auto d = norm_backward(ctx, dx2, gres, &s[12]);
-      dx2 = d[0];
-      out[11] = d[1];
-      out[12] = d[2];
-    }
-    out[0] = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
+    Tensor dx = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
+    variable_list out(11);
+    out[0] = dx;
     out[1] = dw1;
     out[2] = need_db ? c[2] : Tensor();
     out[3] = need_dw2 ? d2[1] : Tensor();
@@ -567,8 +458,7 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
 
 std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
                                const std::string& activation, double p, int64_t mode, const OptTensor& state,
-                               int64_t slot1, int64_t slot2, bool keep_codes, const OptTensor& ln_w,
-                               const OptTensor& ln_b, double ln_eps) {
+                               int64_t slot1, int64_t slot2, bool keep_codes) {
   const char* op = "fp8_ffn";
   LS_CHECK(x.dim() >= 2 && w1.dim() == 2 && w2.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0),
            op, ": input ", x.sizes(), ", first weight ", w1.sizes(), " and second weight ", w2.sizes(),
@@ -579,19 +469,11 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
   parse_act(op, activation);
   const Use u = use_of(op, mode, state, slot1, x);
   use_of(op, mode, state, slot2, x);
-  const Norm ln = norm_of(op, ln_w, ln_b, ln_eps, x);
-  if (ln.on() && (u.current || x.numel() == 0)) {  // the layer norm first, in the model's precision (same values)
-    auto r = ag_pre_layer_norm(x, ln.weight, ln.bias, ln_eps, false);
-    auto f = ag_fp8_ffn(r[0], w1, b1, w2, activation, p, mode, state, slot1, slot2, keep_codes);
-    return {f[0], f[1], r[1]};
-  }
   if (x.numel() == 0) {
     auto r = ag_bias_act_dropout(ag_linear(x, w1, std::nullopt), b1, activation, p);
     return {ag_linear(r[0], w2, std::nullopt), r[1]};
   }
-  return Fp8FfnNode::apply(x, w1, b1, w2, activation, p, mode, u.state, slot1, slot2, keep_codes,
-                           ln.on() ? OptTensor(ln.weight) : std::nullopt, ln.on() ? OptTensor(ln.bias) : std::nullopt,
-                           ln_eps);
+  return Fp8FfnNode::apply(x, w1, b1, w2, activation, p, mode, u.state, slot1, slot2, keep_codes);
 }
 
 namespace {
@@ -603,19 +485,13 @@ namespace {
 // order) equals that chain's bit for bit.
 struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
-                               int64_t n, int64_t num_heads, int64_t mode, const Tensor& state, int64_t slot,
-                               const OptTensor& ln_w, const OptTensor& ln_b, double ln_eps) {
-    const char* op = "fp8_linear_split";
-    const Use u = use_of(op, mode, state, slot, x);
-    const Norm ln{present(ln_w) ? *ln_w : Tensor(), present(ln_b) ? *ln_b : Tensor(), ln_eps};  // checked by the caller
+                               int64_t n, int64_t num_heads, int64_t mode, const Tensor& state, int64_t slot) {
+    const Use u = use_of("fp8_linear_split", mode, state, slot, x);
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
-    // [y2, xq_t, wq_t, sx, sw, mean, rstd]
-    auto f = first_forward(op, x2, ln, weight, u, weight.requires_grad());
+    auto f = linear_forward(x2, weight, std::nullopt, u, weight.requires_grad());  // [y2, xq_t, wq_t, sx, sw]
     Tensor out = qkv_split_fwd(f[0].view({x.size(0), x.size(1), weight.size(0)}), bias, n, num_heads, true);
     ctx->set_materialize_grads(false);
-    auto nm = norm_saved(x2, ln, f);
-    ctx->save_for_backward({f[1], f[2], f[3], f[4], state, nm[0], nm[1], nm[2], nm[3]});
-    keep_norm_info(ctx, ln);
+    ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["n"] = n;
@@ -623,40 +499,27 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["wkey"] = key_value(weight);
-    auto parts = out.unbind(0);
-    if (ln.on()) parts.push_back(x.view_as(x));
-    return parts;
+    return out.unbind(0);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const char* op = "fp8_linear_split backward";
     const int64_t n = ctx->saved_data["n"].toInt();
-    const bool ln = ctx->saved_data["ln"].toBool();
-    const Tensor gres = ln && (int64_t)grads.size() > n ? grads[n] : Tensor();  // the residual's gradient
-    variable_list out(11);
+    const variable_list none(8);
     bool any = false;
     for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) any = any || grads[i].defined();
-    if (!any) {
-      out[0] = gres;
-      return out;
-    }
+    if (!any) return none;
     grads.resize(n);
     auto s = ctx->get_saved_variables();
     const Tensor &xq_t = s[0], &wq_t = s[1], &sx = s[2], &sw = s[3], &state = s[4];
     const Use u = use_of(op, ctx->saved_data["mode"].toInt(), state, ctx->saved_data["slot"].toInt(), state);
-    // with the layer norm its backward needs the gradient of its output whatever x needs
-    const bool need_dx = ctx->needs_input_grad(0) || ln, need_dw = ctx->needs_input_grad(1) && xq_t.defined();
+    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) && xq_t.defined();
     const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2);
     auto c = merge_codes(op, grads, n, u, need_dx, need_dw, need_db);
     const auto dt = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     auto [dx2, dw] = backward_gemms(c[0], c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx, sw, dt, dt,
                                     key_of(ctx, "wkey"));
-    if (ln) {
-      auto d = norm_backward(ctx, dx2, gres, &s[5]);
-      dx2 = d[0];
-      out[8] = d[1];
-      out[9] = d[2];
-    }
+    variable_list out(8);
     out[0] = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
     out[1] = dw;
     out[2] = need_db ? c[2] : Tensor();
@@ -667,8 +530,7 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
 }  // namespace
 
 std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
-                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot,
-                                        const OptTensor& ln_w, const OptTensor& ln_b, double ln_eps) {
+                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot) {
   const char* op = "fp8_linear_split";
   LS_CHECK(n >= 1, op, ": n must be >= 1, got ", n);
   LS_CHECK(num_heads >= 1 && weight.dim() == 2 && weight.size(0) % (n * num_heads) == 0, op, ": weight ",
@@ -677,17 +539,8 @@ std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, c
            weight.sizes(), " (expected [batch, length, ", weight.size(1), "])");
   check_projection(op, x, weight, bias);
   const Use u = use_of(op, mode, state, slot, x);
-  const Norm ln = norm_of(op, ln_w, ln_b, ln_eps, x);
-  if (ln.on() && (u.current || x.numel() == 0)) {  // the layer norm first, in the model's precision (same values)
-    auto r = ag_pre_layer_norm(x, ln.weight, ln.bias, ln_eps, false);
-    auto parts = ag_fp8_linear_split(r[0], weight, bias, n, num_heads, mode, state, slot);
-    parts.push_back(r[1]);
-    return parts;
-  }
   if (x.numel() == 0) return ag_split_heads(ag_linear(x, weight, std::nullopt), bias, n, num_heads);
-  return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot,
-                                   ln.on() ? OptTensor(ln.weight) : std::nullopt,
-                                   ln.on() ? OptTensor(ln.bias) : std::nullopt, ln_eps);
+  return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot);
 }
 
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,

@@ -179,46 +179,24 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
   return a.pre ? x : ag_layer_norm(x, std::nullopt, w, b, eps, a.invertible)[0];
 }
 
-// Whether a pre-LN block's layer norm (weight lw, bias lb) goes into its FP8 node, which then writes the projection's
-// input codes from the layer norm itself (fp8.cpp; under delayed scaling): a layer norm that keeps its input (not
-// --ls-invertible-layernorm) and sizes fp8_norm_fits takes. The same values as the chain block_input -> node.
-bool norm_in_node(const Tensor& x, const LayerArgs& a, const Fp8Args& f, const Tensor& lw, const Tensor& lb) {
-  return a.pre && !a.invertible && f.mode > 0 && fp8_norm_fits(x, lw, lb);
-}
-
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
                             double eps, const LayerArgs& a, const Packed* vl) {
+  auto [h, residual] = block_input(x, a, w[0], w[1], eps);
   const Fp8Args f = a.fp8.at(0);
-  std::vector<Tensor> parts;
-  Tensor residual;
-  if (f.mode > 0 && fp8_linear_shapes_ok(w[2]) && norm_in_node(x, a, f, w[0], w[1])) {
-    parts = ag_fp8_linear_split(x, w[2], w[3], 3, a.num_heads, f.mode, f.state, f.slot, w[0], w[1], eps);
-    residual = parts.back();
-    parts.pop_back();
-  } else {
-    Tensor h;
-    std::tie(h, residual) = block_input(x, a, w[0], w[1], eps);
-    parts = f.mode > 0 && fp8_linear_shapes_ok(w[2])  // FP8: the projection's gradient quantised from the heads'
-                ? ag_fp8_linear_split(h, w[2], w[3], 3, a.num_heads, f.mode, f.state, f.slot)
-                : ag_split_heads(ag_linear_mode(h, w[2], std::nullopt, f), w[3], 3, a.num_heads);
-  }
+  auto parts = f.mode > 0 && fp8_linear_shapes_ok(w[2])  // FP8: the projection's gradient quantised from the heads'
+                   ? ag_fp8_linear_split(h, w[2], w[3], 3, a.num_heads, f.mode, f.state, f.slot)
+                   : ag_split_heads(ag_linear_mode(h, w[2], std::nullopt, f), w[3], 3, a.num_heads);
   Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len, vl);
-  Tensor h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8.at(1));
+  h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8.at(1));
   return block_output(h, w[5], residual, a, w[0], w[1], eps);
 }
 
 Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
                  const LayerArgs& a) {
+  auto [h, residual] = block_input(x, a, w[6], w[7], eps);
   const Fp8Args f1 = a.fp8.at(2), f = a.fp8.at(3);
   const bool recompute = a.recompute && activation == "gelu";
-  const bool fp8_node = f1.mode > 0 && f.mode > 0 && fp8_linear_shapes_ok(w[8]) && fp8_linear_shapes_ok(w[10]);
-  if (fp8_node && norm_in_node(x, a, f, w[6], w[7])) {  // the layer norm's output, too, only as codes
-    auto r = ag_fp8_ffn(x, w[8], w[9], w[10], activation, a.p.act, f.mode, f.state, f1.slot, f.slot, !recompute,
-                        w[6], w[7], eps);
-    return block_output(r[0], w[11], r[2], a, w[6], w[7], eps);
-  }
-  auto [h, residual] = block_input(x, a, w[6], w[7], eps);
-  if (fp8_node) {
+  if (f1.mode > 0 && f.mode > 0 && fp8_linear_shapes_ok(w[8]) && fp8_linear_shapes_ok(w[10])) {
     // both projections in FP8: one node, the activation and the gradient between the projections only as codes
     h = ag_fp8_ffn(h, w[8], w[9], w[10], activation, a.p.act, f.mode, f.state, f1.slot, f.slot, !recompute)[0];
     return block_output(h, w[11], residual, a, w[6], w[7], eps);

@@ -179,25 +179,14 @@ std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, c
 // (mode as in ag_fp8_linear; slots slot1 and slot2 of the state); the activation leaves the forward only as codes
 // (keep_codes: kept for the weight gradient, else made again in the backward, --ls-recompute-activation) and the
 // gradient between the projections leaves the activation's backward only as codes (fp8.cpp).
-// ln_w, ln_b (a pre-LN block's layer norm, eps ln_eps; delayed scaling, fp8_norm_fits): x is the layer norm's input,
-// its output exists only as the first projection's input codes, and x is returned last (the residual):
-// [y, mask, x], as ag_pre_layer_norm -> this node without the layer norm would give them.
 std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
                                const std::string& activation, double p, int64_t mode, const OptTensor& state,
-                               int64_t slot1, int64_t slot2, bool keep_codes, const OptTensor& ln_w = std::nullopt,
-                               const OptTensor& ln_b = std::nullopt, double ln_eps = 1e-5);
+                               int64_t slot1, int64_t slot2, bool keep_codes);
 
 // The attention's input projection and head split as one FP8 node: x [B, T, C] W^T (+ bias) -> n parts [B, H, T, D]
 // (as ag_split_heads makes them); the output gradient is quantised straight from the heads' gradients (fp8.cpp).
-// ln_w, ln_b, ln_eps: a layer norm in front, as in ag_fp8_ffn (-> the n parts, then x).
 std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
-                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot,
-                                        const OptTensor& ln_w = std::nullopt, const OptTensor& ln_b = std::nullopt,
-                                        double ln_eps = 1e-5);
-
-// Whether the layer norm of x with weight and bias can write FP8 codes itself (fp8_layer_norm of launch.h): a
-// bf16/fp16 CUDA x whose rows are a multiple of 16 long, at most kLnCastMaxC, and a weight and bias of its dtype.
-bool fp8_norm_fits(const Tensor& x, const Tensor& weight, const Tensor& bias);
+                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot);
 
 // Memory modes of the layers (bits of the `memory` argument of encoder_layer_fwd / decoder_layer_fwd).
 constexpr int64_t kInvertibleLayerNorm = 1;  // layer norms keep their output, not their input

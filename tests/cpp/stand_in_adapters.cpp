@@ -104,19 +104,16 @@ std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq
   return {};
 }
 std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
-                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot,
-                                        const OptTensor& ln_w, const OptTensor& ln_b, double ln_eps) {
+                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
 std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
                                const std::string& activation, double p, int64_t mode, const OptTensor& state,
-                               int64_t slot1, int64_t slot2, bool keep_codes, const OptTensor& ln_w,
-                               const OptTensor& ln_b, double ln_eps) {
+                               int64_t slot1, int64_t slot2, bool keep_codes) {
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
-bool fp8_norm_fits(const Tensor& x, const Tensor& weight, const Tensor& bias) { return false; }
 // attention over short sequences: a CUDA kernel only; the layers take SDPA on the CPU
 bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
                           const Packed* pk) {

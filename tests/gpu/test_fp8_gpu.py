@@ -323,96 +323,6 @@ def test_linear_split_node_equals_the_chain(dtype, B, T, C, H, n, grads):
     _node_equals_chain(run, 3, dtype, ("parts", "dx", "dW"))
 
 
-def _norm_inputs(B, T, C, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (3 * torch.randn(B, T, C, device="cuda", generator=g) + 1).to(dtype)
-    lw = (1 + 0.3 * torch.randn(C, device="cuda", generator=g)).to(dtype)
-    lb = (0.2 * torch.randn(C, device="cuda", generator=g)).to(dtype)
-    dres = torch.randn(B, T, C, device="cuda", generator=g).to(dtype)
-    return g, x, lw, lb, dres
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,T,C,H", [(3, 29, 64, 4), (2, 100, 1024, 16), (1, 1, 16, 1), (5, 31, 2048, 16)])
-@pytest.mark.parametrize("n", [3, 1])
-def test_norm_split_node_equals_the_chain(dtype, B, T, C, H, n):
-    """A pre-LN block's layer norm inside the FP8 projection + head split node (ag_fp8_linear_split with ln_weight):
-    the layer norm writes only the projection's input codes (one pass: both layouts, the maximum for the next
-    scale) and the node returns its input as the residual. Parts, residual, dx (the residual's gradient added in the
-    layer norm's backward), dW, the layer norm's weight and bias gradients and the FP8 state equal those of the chain
-    ag_pre_layer_norm -> ag_fp8_linear_split bit for bit (_node_equals_chain: the first step under current scaling,
-    which the node runs as that chain, then two delayed steps)."""
-    mod = _mod()
-    g, x, lw, lb, dres = _norm_inputs(B, T, C, dtype, T * C + n)
-    w = (torch.randn(n * C, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
-    b = (0.5 * torch.randn(n * C, device="cuda", generator=g)).to(dtype)
-    douts = [torch.randn(B, H, T, C // H, device="cuda", generator=g).to(dtype) for _ in range(n)]
-
-    def run(kind, st, mode, step):
-        xi, lwi, lbi, wi, bi = (t.clone().requires_grad_() for t in (x, lw, lb, w, b))
-        if kind == "chain":
-            h, res = mod.ag_pre_layer_norm(xi, lwi, lbi, 1e-5, False)
-            parts = list(mod.ag_fp8_linear_split(h, wi, bi, n, H, mode, st, 0))
-        else:
-            *parts, res = mod.ag_fp8_linear_split(xi, wi, bi, n, H, mode, st, 0, lwi, lbi, 1e-5)
-        torch.autograd.backward(parts + [res], douts + [dres])
-        return (torch.stack(parts).detach(), res.detach(), xi.grad, wi.grad, lwi.grad, lbi.grad, bi.grad)
-
-    _node_equals_chain(run, 3, dtype, ("parts", "residual", "dx", "dW", "layer-norm dweight", "layer-norm dbias"))
-
-
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
-@pytest.mark.parametrize("keep", [True, False], ids=["keep_codes", "recompute"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,T,C,F", [(3, 61, 64, 256), (2, 100, 1024, 4096)])
-def test_norm_ffn_node_equals_the_chain(activation, keep, dtype, B, T, C, F):
-    """The pre-LN layer norm inside the FP8 FFN node (ag_fp8_ffn with ln_weight), as in the split node's test:
-    output, mask, residual, dx, both weight gradients, the layer norm's gradients and the FP8 state equal those of
-    ag_pre_layer_norm -> ag_fp8_ffn bit for bit."""
-    mod = _mod()
-    g, x, lw, lb, dres = _norm_inputs(B, T, C, dtype, F + C)
-    w1 = (torch.randn(F, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
-    b1 = (0.5 * torch.randn(F, device="cuda", generator=g)).to(dtype)
-    w2 = (torch.randn(C, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
-    dy = torch.randn(B, T, C, device="cuda", generator=g).to(dtype)
-
-    def run(kind, st, mode, step):
-        xi, lwi, lbi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, lw, lb, w1, b1, w2))
-        torch.manual_seed(13 + step)
-        if kind == "chain":
-            h, res = mod.ag_pre_layer_norm(xi, lwi, lbi, 1e-5, False)
-            y, mask = mod.ag_fp8_ffn(h, w1i, b1i, w2i, activation, 0.2, mode, st, 0, 1, keep)
-        else:
-            y, mask, res = mod.ag_fp8_ffn(xi, w1i, b1i, w2i, activation, 0.2, mode, st, 0, 1, keep, lwi, lbi, 1e-5)
-        torch.autograd.backward([y, res], [dy, dres])
-        return (y.detach(), mask, res.detach(), xi.grad, w1i.grad, w2i.grad, lwi.grad, lbi.grad, b1i.grad)
-
-    _node_equals_chain(run, 6, dtype, ("output", "mask", "residual", "dx", "dW1", "dW2", "layer-norm dweight",
-                                       "layer-norm dbias"))
-
-
-def test_norm_in_fp8_node_errors_and_residual_only_gradient():
-    mod = _mod()
-    st = torch.zeros(6, fp8.WIDTH, device="cuda")
-    mod.fp8_roll(st, fp8.E5M2)  # delayed
-    for C, ln_dtype in ((2064, torch.bfloat16), (32, torch.float32)):  # rows too long; a weight of another dtype
-        x = torch.randn(2, 3, C, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(C, C, device="cuda", dtype=torch.bfloat16)
-        ln = torch.ones(C, device="cuda", dtype=ln_dtype)
-        with pytest.raises(RuntimeError, match="layer norm in front of an FP8 projection"):
-            mod.ag_fp8_linear_split(x, w, None, 1, 1, 2, st, 0, ln, ln, 1e-5)
-    x = torch.randn(2, 3, 32, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(32, 32, device="cuda", dtype=torch.bfloat16)
-    ln = torch.ones(32, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="needs its bias too"):
-        mod.ag_fp8_linear_split(x, w, None, 1, 1, 2, st, 0, ln, None, 1e-5)
-    # only the residual is used: its gradient passes to x unchanged
-    xi = x.clone().requires_grad_()
-    *_, res = mod.ag_fp8_linear_split(xi, w, None, 1, 1, 2, st, 0, ln, ln, 1e-5)
-    res.backward(torch.full_like(res, 2.0))
-    assert torch.equal(xi.grad, torch.full_like(x, 2.0))
-
-
 def test_fp8_ffn_node_errors():
     mod = _mod()
     st = torch.zeros(6, fp8.WIDTH, device="cuda")
@@ -464,25 +374,21 @@ def test_fp8_linear_errors():
         mod.fp8_quantize(torch.randn(4, 20, device="cuda"), st, 0, 0, True)
 
 
-def _layers(grad_format, dtype=torch.bfloat16, seed=0, select=lambda w: True, pre=False):
+def _layers(grad_format, dtype=torch.bfloat16, seed=0, select=lambda w: True):
     from ls_fairseq.fairseq_ext.fp8_mode import attach_fp8
     from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
     from ls_fairseq.modules.encoder_layer import EncoderLayer
 
     torch.manual_seed(seed)
-    enc = EncoderLayer(256, 1024, 4, dropout=0.0, normalize_before=pre).cuda().to(dtype)
-    dec = DecoderLayer(256, 1024, 4, dropout=0.0, normalize_before=pre).cuda().to(dtype)
+    enc = EncoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
+    dec = DecoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
     kv = BatchedCrossKV(256, 4, 1).cuda().to(dtype)
     state = attach_fp8([enc, kv, dec], grad_format, select) if grad_format is not None else None
     return enc, dec, kv, state
 
 
 @pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
-@pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
-def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, pre, monkeypatch):
-    """The C++ layer call equals the Python layers bit for bit under FP8 (pre-LN: the C++ layers put the layer norms
-    in front of the QKV and FFN projections into their FP8 nodes, the Python layers run the chain), over a
-    current-scaling step and later delayed ones, and stays close to bf16."""
+def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, monkeypatch):
     from ls_fairseq.ops import _dispatch
 
     x = torch.randn(6, 29, 256, device="cuda", dtype=torch.bfloat16)
@@ -491,7 +397,7 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, pre, monkey
 
     def run(gf, cpp=True, steps=1):
         monkeypatch.setattr(_dispatch, "_CPP_LAYERS", cpp)
-        enc, dec, kv, state = _layers(gf, pre=pre)
+        enc, dec, kv, state = _layers(gf)
         for _ in range(steps):  # the first step scales by current maxima, the later ones by the history
             if state is not None:
                 state.begin_forward(x.device)
