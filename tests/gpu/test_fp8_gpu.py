@@ -374,21 +374,24 @@ def test_fp8_linear_errors():
         mod.fp8_quantize(torch.randn(4, 20, device="cuda"), st, 0, 0, True)
 
 
-def _layers(grad_format, dtype=torch.bfloat16, seed=0, select=lambda w: True):
+def _layers(grad_format, dtype=torch.bfloat16, seed=0, select=lambda w: True, pre=False):
     from ls_fairseq.fairseq_ext.fp8_mode import attach_fp8
     from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
     from ls_fairseq.modules.encoder_layer import EncoderLayer
 
     torch.manual_seed(seed)
-    enc = EncoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
-    dec = DecoderLayer(256, 1024, 4, dropout=0.0).cuda().to(dtype)
+    enc = EncoderLayer(256, 1024, 4, dropout=0.0, normalize_before=pre).cuda().to(dtype)
+    dec = DecoderLayer(256, 1024, 4, dropout=0.0, normalize_before=pre).cuda().to(dtype)
     kv = BatchedCrossKV(256, 4, 1).cuda().to(dtype)
     state = attach_fp8([enc, kv, dec], grad_format, select) if grad_format is not None else None
     return enc, dec, kv, state
 
 
 @pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
-def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, monkeypatch):
+@pytest.mark.parametrize("pre", [False, True], ids=["post_ln", "pre_ln"])
+def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, pre, monkeypatch):
+    """The C++ layer call equals the Python layers bit for bit under FP8, post-LN and pre-LN (transformer_*_t2t),
+    over a current-scaling step and later delayed ones, and stays close to bf16."""
     from ls_fairseq.ops import _dispatch
 
     x = torch.randn(6, 29, 256, device="cuda", dtype=torch.bfloat16)
@@ -397,7 +400,7 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, monkeypatch
 
     def run(gf, cpp=True, steps=1):
         monkeypatch.setattr(_dispatch, "_CPP_LAYERS", cpp)
-        enc, dec, kv, state = _layers(gf)
+        enc, dec, kv, state = _layers(gf, pre=pre)
         for _ in range(steps):  # the first step scales by current maxima, the later ones by the history
             if state is not None:
                 state.begin_forward(x.device)
