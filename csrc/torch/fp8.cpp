@@ -303,29 +303,20 @@ std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t 
   for (int64_t i = 0; i < n; ++i)
     if (d[i].defined()) { ref = &d[i]; break; }
   const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3), M = B * T, K = n * H * D;
+  std::vector<OptTensor> parts;
+  for (int64_t i = 0; i < n; ++i) parts.push_back(opt_of(d[i]));
   if (u.current || D % 16 != 0 || n > ls::kMaxSplitParts) {  // merged in the gradient's precision, then quantised
-    std::vector<OptTensor> parts;
-    for (int64_t i = 0; i < n; ++i) parts.push_back(opt_of(d[i]));
     auto r = split_heads_bwd(parts, need_db);
     auto [q, q_t] = quantize(op, r[0].reshape({M, K}), u.state, u.row(2), fmt, u.current, rowwise, transposed);
     return {q, q_t, need_db ? r[1] : Tensor()};
   }
-  bool token_major = true;
-  for (int64_t i = 0; i < n; ++i)
-    if (d[i].defined()) token_major = token_major && token_major_heads(d[i]);
-  std::vector<Tensor> keep;
-  std::vector<const void*> ptrs(n, nullptr);
-  for (int64_t i = 0; i < n; ++i) {
-    if (!d[i].defined()) continue;
-    keep.push_back(aligned(token_major ? d[i] : d[i].contiguous()));
-    ptrs[i] = keep.back().data_ptr();
-  }
+  const HeadGrads g = gather_head_grads(parts, true);  // the kernel reads 16-byte words
   const SummedCodes c(*ref, M, K, fmt, rowwise, transposed, need_db);
   c10::cuda::CUDAGuard guard(ref->device());
   launch(op, [&] {
-    ls::fp8_merge_heads_grad(to_dtype(op, *ref), ptrs.data(), checked_int(op, "batch", B),
+    ls::fp8_merge_heads_grad(to_dtype(op, *ref), g.ptrs.data(), checked_int(op, "batch", B),
                              checked_int(op, "length", T), (int)n, checked_int(op, "heads", H),
-                             checked_int(op, "head_dim", D), token_major,
+                             checked_int(op, "head_dim", D), g.token_major,
                              u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt, c.out(), c.out_t(),
                              c.out_t_rows(M), c.dbias(), c.partial(), stream());
   });

@@ -40,14 +40,12 @@ std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_
     if (present(d)) { ref = &d.value(); break; }
   LS_CHECK(ref != nullptr, op, ": at least one gradient must be given");
   LS_CHECK(ref->dim() == 4, op, ": gradients must be [batch, heads, length, head_dim], got ", ref->sizes());
-  bool token_major = true;
   for (const auto& d : ds) {
     if (!present(d)) continue;
     const Tensor& t = d.value();
     LS_CHECK_CUDA(op, t);
     LS_CHECK(t.sizes() == ref->sizes(), op, ": gradient shapes differ: ", t.sizes(), " vs ", ref->sizes());
     LS_CHECK_DTYPE(op, t, ref->scalar_type());
-    token_major = token_major && token_major_heads(t);
   }
   const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3);
   c10::cuda::CUDAGuard guard(ref->device());
@@ -59,13 +57,7 @@ std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_
                            : at::empty({0}, ref->options());
     return {dx, db};
   }
-  std::vector<Tensor> keep;
-  std::vector<const void*> ptrs(n, nullptr);
-  for (int64_t i = 0; i < n; ++i) {
-    if (!present(ds[i])) continue;
-    keep.push_back(token_major ? ds[i].value() : ds[i].value().contiguous());
-    ptrs[i] = keep.back().data_ptr();
-  }
+  const HeadGrads g = gather_head_grads(ds, false);
   const ls::DType dt = to_dtype(op, *ref);
   Tensor dx = at::empty({B, T, n * H * D}, ref->options());
   Tensor db = need_dbias ? at::empty({n * H * D}, ref->options()) : at::empty({0}, ref->options());
@@ -73,12 +65,26 @@ std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_
   if (need_dbias && rows == 0) db.zero_();
   Tensor ws = at::empty({need_dbias ? ls::colsum_workspace(rows, (int)(n * H * D)) : 0}, ref->options().dtype(at::kFloat));
   launch(op, [&] {
-    ls::split_heads_bwd(dt, ptrs.data(), dx.data_ptr(), need_dbias && rows > 0 ? db.data_ptr() : nullptr,
+    ls::split_heads_bwd(dt, g.ptrs.data(), dx.data_ptr(), need_dbias && rows > 0 ? db.data_ptr() : nullptr,
                         need_dbias ? ws.data_ptr<float>() : nullptr, checked_int(op, "batch", B),
                         checked_int(op, "length", T), (int)n, checked_int(op, "heads", H),
-                        checked_int(op, "head_dim", D), token_major, stream());
+                        checked_int(op, "head_dim", D), g.token_major, stream());
   });
   return {dx, db};
+}
+
+HeadGrads gather_head_grads(const std::vector<OptTensor>& ds, bool aligned16) {
+  HeadGrads g{{}, std::vector<const void*>(ds.size(), nullptr), true};
+  for (const auto& d : ds)
+    if (present(d)) g.token_major = g.token_major && token_major_heads(*d);
+  for (size_t i = 0; i < ds.size(); ++i) {
+    if (!present(ds[i])) continue;
+    Tensor t = g.token_major ? *ds[i] : ds[i]->contiguous();
+    if (aligned16 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) t = t.clone();  // keeps its strides
+    g.keep.push_back(t);
+    g.ptrs[i] = t.data_ptr();
+  }
+  return g;
 }
 
 // split_heads_bwd of n <= 3 parts given one by one (q, k, v)
