@@ -402,3 +402,20 @@ def test_graph_steps_head_takes_fp8_for_the_vocabulary(own_backward):
     m.eval()
     proj.fp8 = fp8.Fp8Ref(fp8.Fp8State(1, fp8.E5M2), 0, 0)
     assert fp8.fp8_now(proj) is None  # evaluation: the model's own precision
+
+
+def test_recompute_logits_keeps_the_vocabulary_projection_out_of_fp8(caplog):
+    """--ls-recompute-logits projects in blocks inside its own function: --fp8 gives the vocabulary projection no
+    slot there, and says so; without it a vocabulary of a multiple of 16 takes its slot under --fp8-projections all."""
+    d = make_dict(60)  # 64 symbols
+    with caplog.at_level("INFO"):
+        blocks = build_model("ls_transformer", d, encoder_embed_dim=32, decoder_embed_dim=32, encoder_ffn_embed_dim=64,
+                             decoder_ffn_embed_dim=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                             decoder_attention_heads=2, fp8=True, fp8_projections="all", ls_recompute_logits=True)
+    assert blocks.encoder.fp8_state.linears == 11 and getattr(blocks.decoder.output_projection, "fp8", None) is None
+    assert "--ls-recompute-logits the vocabulary projection stays" in caplog.text
+    whole = build_model("ls_transformer", d, encoder_embed_dim=32, decoder_embed_dim=32, encoder_ffn_embed_dim=64,
+                        decoder_ffn_embed_dim=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, fp8=True, fp8_projections="all")
+    st = whole.encoder.fp8_state
+    assert st.linears == 12 and st.in_fp8 == 12 and whole.decoder.output_projection.fp8 == fp8.Fp8Ref(st, 11, 0)

@@ -102,8 +102,13 @@ def set_fp8_mode(model, args) -> int:
     state = None
     if mode:
         everything = getattr(args, "fp8_projections", "auto") == "all"
-        head = getattr(model.decoder, "output_projection", None)
+        # --ls-recompute-logits projects in blocks of rows inside its own autograd function: the vocabulary
+        # projection keeps the model's precision there
+        blocks = bool(getattr(args, "ls_recompute_logits", False))
+        head = None if blocks else getattr(model.decoder, "output_projection", None)
         state = attach_fp8(model.modules(), mode - 1, (lambda w: True) if everything else fp8_pays, head)
+        if blocks and state is not None:
+            logger.info("--fp8: with --ls-recompute-logits the vocabulary projection stays in the model's precision")
         if state is None:
             logger.warning("--fp8: no projection of this model is large enough to run faster in FP8 (%s); it "
                            "trains in its own precision (--fp8-projections all forces FP8)", _rule())
