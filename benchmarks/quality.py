@@ -76,6 +76,8 @@ def train_flags(kind, prec, args, bin_dir, save_dir):
     if kind.startswith("ls-fp8"):  # ls-fp8[-e4m3|-e5m2][-all]: the gradient format; all: --fp8-projections all
         flags += ["--fp8"]
         for opt in kind.split("-")[2:]:
+            if opt not in ("all", "e4m3", "e5m2"):
+                raise SystemExit(f"run {kind}_{prec}: unknown ls-fp8 option {opt!r} (e4m3, e5m2 or all)")
             flags += ["--fp8-projections", "all"] if opt == "all" else ["--fp8-grad-format", opt]
     if args.cpu_smoke:
         flags += ["--cpu", "--encoder-embed-dim", "64", "--decoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
