@@ -185,17 +185,33 @@ def _dequantize(q, scale_inv):
     return q.float() * scale_inv
 
 
+def _reference_forward(x2, weight, use: Fp8Use):
+    """(y = [x2] [W]^T in fp32, x2's codes, W's codes, 1/s of x2, 1/s of W): the reference's forward from the codes the
+    kernels make, updating the state's rows as they do."""
+    st, r = use.state, 3 * use.slot
+    xq, _ = fp8_quantize_reference(x2, st, r, E4M3, use.current)
+    wq, _ = fp8_quantize_reference(weight, st, r + 1, E4M3, use.current)
+    sx, sw = st[r, SCALE_INV].clone(), st[r + 1, SCALE_INV].clone()
+    return _dequantize(xq, sx) @ _dequantize(wq, sw).t(), xq, wq, sx, sw
+
+
+def _reference_grads(g2, xq, wq, sx, sw, use: Fp8Use, need_dx: bool, need_dw: bool):
+    """(dx, dW) in fp32 (None where not needed) of the reference, from the codes of the output gradient g2 in the
+    gradient format and the forward's codes of x and W."""
+    r = 3 * use.slot + 2
+    gq, _ = fp8_quantize_reference(g2, use.state, r, use.grad_format, use.current)
+    gd = _dequantize(gq, use.state[r, SCALE_INV])
+    dx = gd @ _dequantize(wq, sw) if need_dx else None
+    dw = gd.t() @ _dequantize(xq, sx) if need_dw else None
+    return dx, dw
+
+
 class _Fp8LinearReference(torch.autograd.Function):
     """What the FP8 linear node computes, in fp32 from the same FP8 codes (CPU and tests)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, use):
-        x2 = x.reshape(-1, x.shape[-1])
-        st, r = use.state, 3 * use.slot
-        xq, _ = fp8_quantize_reference(x2, st, r, E4M3, use.current)
-        wq, _ = fp8_quantize_reference(weight, st, r + 1, E4M3, use.current)
-        sx, sw = st[r, SCALE_INV].clone(), st[r + 1, SCALE_INV].clone()
-        y = _dequantize(xq, sx) @ _dequantize(wq, sw).t()
+        y, xq, wq, sx, sw = _reference_forward(x.reshape(-1, x.shape[-1]), weight, use)
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(xq, wq, sx, sw)
@@ -207,15 +223,13 @@ class _Fp8LinearReference(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         xq, wq, sx, sw = ctx.saved_tensors
-        use = ctx.use
         g2 = g.reshape(-1, wq.shape[0])
-        gq, _ = fp8_quantize_reference(g2, use.state, 3 * use.slot + 2, use.grad_format, use.current)
-        gd = _dequantize(gq, use.state[3 * use.slot + 2, SCALE_INV])
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = (gd @ _dequantize(wq, sw)).to(ctx.dtypes[0]).reshape(*g.shape[:-1], wq.shape[1])
-        if ctx.needs_input_grad[1]:
-            dw = (gd.t() @ _dequantize(xq, sx)).to(ctx.dtypes[1])
+        dx, dw = _reference_grads(g2, xq, wq, sx, sw, ctx.use, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        db = None
+        if dx is not None:
+            dx = dx.to(ctx.dtypes[0]).reshape(*g.shape[:-1], wq.shape[1])
+        if dw is not None:
+            dw = dw.to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(ctx.dtypes[1])
         return dx, dw, db, None
@@ -241,28 +255,25 @@ def fp8_head_forward(x: torch.Tensor, weight: torch.Tensor, use: Fp8Use, keep_x:
     x [rows, C], weight [vocab, C] with sizes that are multiples of 16. ``keep_x``: keep x's transposed codes for
     the weight's gradient. On CUDA the quantising kernels and torch's FP8 GEMM; elsewhere the fp32 reference of
     the same codes."""
-    st, r = use.state, 3 * use.slot
     mod = _fp8_extension(x, "fp8_quantize")
     if mod is not None:
+        st, r = use.state, 3 * use.slot
         xq, xq_t = mod.fp8_quantize(x, st, r, E4M3, use.current, True, keep_x)
         wq, wq_t = mod.fp8_quantize(weight, st, r + 1, E4M3, use.current, True, True)
         sx, sw = st[r, SCALE_INV], st[r + 1, SCALE_INV]
         logits = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=True)
         return logits, Fp8HeadSaved(None, None, xq_t, wq_t, sx, sw)
-    xq, _ = fp8_quantize_reference(x, st, r, E4M3, use.current)
-    wq, _ = fp8_quantize_reference(weight, st, r + 1, E4M3, use.current)
-    sx, sw = st[r, SCALE_INV].clone(), st[r + 1, SCALE_INV].clone()
-    logits = (_dequantize(xq, sx) @ _dequantize(wq, sw).t()).to(x.dtype)
-    return logits, Fp8HeadSaved(xq if keep_x else None, wq, None, None, sx, sw)
+    y, xq, wq, sx, sw = _reference_forward(x, weight, use)
+    return y.to(x.dtype), Fp8HeadSaved(xq if keep_x else None, wq, None, None, sx, sw)
 
 
 def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw: bool = True):
     """(dx, dW or None) of :func:`fp8_head_forward` for the logits' gradient ``g`` [rows, vocab]: both GEMMs in
     FP8 from g's codes in the gradient format, in g's dtype."""
-    st, r = use.state, 3 * use.slot + 2
     need_dw = need_dw and (saved.xq_t is not None or saved.xq is not None)
     mod = _fp8_extension(g, "fp8_quantize")
     if mod is not None:
+        st, r = use.state, 3 * use.slot + 2
         gq, gq_t = mod.fp8_quantize(g, st, r, use.grad_format, use.current, True, need_dw)
         sg = st[r, SCALE_INV]
         dx = torch._scaled_mm(gq, saved.wq_t.t(), scale_a=sg, scale_b=saved.sw, out_dtype=g.dtype,
@@ -272,11 +283,8 @@ def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw
             dw = torch._scaled_mm(gq_t, saved.xq_t.t(), scale_a=sg, scale_b=saved.sx, out_dtype=g.dtype,
                                   use_fast_accum=True)
         return dx, dw
-    gq, _ = fp8_quantize_reference(g, st, r, use.grad_format, use.current)
-    gd = _dequantize(gq, st[r, SCALE_INV])
-    dx = (gd @ _dequantize(saved.wq, saved.sw)).to(g.dtype)
-    dw = (gd.t() @ _dequantize(saved.xq, saved.sx)).to(g.dtype) if need_dw else None
-    return dx, dw
+    dx, dw = _reference_grads(g, saved.xq, saved.wq, saved.sx, saved.sw, use, True, need_dw)
+    return dx.to(g.dtype), dw.to(g.dtype) if dw is not None else None
 
 
 def _fp8_extension(x, entry: str):
