@@ -64,12 +64,11 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
         grad_out.copy_(features.grad)
         return loss, nll, grad_out
     from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad
-    from ls_fairseq.ops.fp8 import fp8_head_backward, fp8_head_forward, fp8_now, shapes_ok
+    from ls_fairseq.ops.fp8 import fp8_head_backward, fp8_head_forward, fp8_now
 
     C = features.shape[-1]
-    fp8 = fp8_now(model.decoder.output_projection)  # --fp8: the projection's three GEMMs in FP8
-    if fp8 is not None and not shapes_ok(w):
-        fp8 = None
+    # --fp8: the projection's three GEMMs in FP8 (attach_fp8 gives it no FP8 slot unless its sizes allow them)
+    fp8 = fp8_now(model.decoder.output_projection)
     with torch.no_grad():
         x = features.reshape(-1, C).index_select(0, rows)
         if fp8 is None:
