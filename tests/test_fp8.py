@@ -419,3 +419,30 @@ def test_recompute_logits_keeps_the_vocabulary_projection_out_of_fp8(caplog):
                         decoder_attention_heads=2, fp8=True, fp8_projections="all")
     st = whole.encoder.fp8_state
     assert st.linears == 12 and st.in_fp8 == 12 and whole.decoder.output_projection.fp8 == fp8.Fp8Ref(st, 11, 0)
+
+
+def test_linear_split_takes_the_fp8_node_where_it_applies(monkeypatch):
+    """ops.linear_split (the attentions' input projections): the FP8 projection + head split node with the layer's
+    slot where fp8_split_node offers it, else the projection, then the split with the bias."""
+    import sys
+
+    linear_mod = sys.modules["ls_fairseq.ops.linear"]  # (the package's name `linear` is the function)
+    g = torch.Generator().manual_seed(8)
+    x, w, b = torch.randn(2, 5, 32, generator=g), torch.randn(64, 32, generator=g), torch.randn(64, generator=g)
+    plain = ops.linear_split(x, w, b, 2, 4)
+    want = ops.split_heads(F.linear(x, w), b, 2, 4)
+    assert len(plain) == 2 and all(torch.equal(p, q) for p, q in zip(plain, want))
+    calls = []
+
+    class Node:
+        @staticmethod
+        def ag_fp8_linear_split(*args):
+            calls.append(args)
+            return (torch.zeros(1), torch.ones(1))
+
+    _, use = _use(fp8.E5M2, slots=3)
+    use = use.at(2)
+    monkeypatch.setattr(linear_mod, "fp8_split_node", lambda xx, ww, u: Node if u is use else None)
+    got = ops.linear_split(x, w, b, 2, 4, use)
+    assert isinstance(got, list) and torch.equal(got[1], torch.ones(1))
+    assert calls == [(x, w, b, 2, 4, use.mode, use.state, 2)]

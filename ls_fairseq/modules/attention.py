@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
-from ls_fairseq.ops.fp8 import fp8_now, fp8_split_node
+from ls_fairseq.ops.fp8 import fp8_now
 
 
 def xavier_block_(w, gain: float):
@@ -67,13 +67,7 @@ class SelfAttention(nn.Module):
         and values are appended and stored back. ``varlen`` (:class:`ls_fairseq.ops.attention.Varlen`):
         x [1, N, C] holds packed sequences (no padding).
         """
-        fp8 = fp8_now(self, 0)
-        node = fp8_split_node(x, self.in_proj_weight, fp8)
-        if node is not None:  # FP8: the projection's gradient quantised straight from the heads' gradients
-            q, k, v = node.ag_fp8_linear_split(x, self.in_proj_weight, self.in_proj_bias, 3, self.num_heads, fp8.mode,
-                                               fp8.state, fp8.slot)
-        else:
-            q, k, v = ops.qkv_split(ops.linear(x, self.in_proj_weight, fp8=fp8), self.in_proj_bias, self.num_heads)
+        q, k, v = ops.linear_split(x, self.in_proj_weight, self.in_proj_bias, 3, self.num_heads, fp8_now(self, 0))
         if cache is not None:
             if "prev_key" in cache:
                 k = torch.cat([cache["prev_key"], k], dim=2)
@@ -101,13 +95,8 @@ class CrossAttention(nn.Module):
     def forward(self, x, k, v, key_padding_mask=None, varlen=None):
         """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]. ``varlen``: packed
         sequences, x [1, Nt, C] and k, v [1, H, Ns, D]."""
-        fp8 = fp8_now(self, 0)
-        node = fp8_split_node(x, self.q_proj.weight, fp8)
-        if node is not None:
-            q, = node.ag_fp8_linear_split(x, self.q_proj.weight, self.q_proj.bias, 1, self.num_heads, fp8.mode,
-                                          fp8.state, fp8.slot)
-        else:  # the bias added as the heads are split, its gradient summed as they are merged (as in SelfAttention)
-            q, = ops.split_heads(ops.linear(x, self.q_proj.weight, fp8=fp8), self.q_proj.bias, 1, self.num_heads)
+        # the bias added as the heads are split, its gradient summed as they are merged (as in SelfAttention)
+        q, = ops.linear_split(x, self.q_proj.weight, self.q_proj.bias, 1, self.num_heads, fp8_now(self, 0))
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training, varlen=varlen)
         return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))

@@ -18,7 +18,7 @@ from ls_fairseq.modules.attention import (CrossAttention, SelfAttention, check_h
                                           xavier_block_)
 from ls_fairseq.modules.encoder_layer import EncoderLayer, _attention_p
 from ls_fairseq.modules.layer_norm import LayerNorm
-from ls_fairseq.ops.fp8 import fp8_now, fp8_split_node
+from ls_fairseq.ops.fp8 import fp8_now
 
 
 class BatchedCrossKV(nn.Module):
@@ -38,13 +38,8 @@ class BatchedCrossKV(nn.Module):
 
     def forward(self, encoder_out) -> List[torch.Tensor]:
         """encoder_out [B, S, C] -> [k_0, v_0, k_1, v_1, ...], each [B, H, S, D]."""
-        fp8 = fp8_now(self)
-        node = fp8_split_node(encoder_out, self.weight, fp8)
-        if node is not None:  # FP8: the projection's output gradient quantised as the parts' gradients are merged
-            return list(node.ag_fp8_linear_split(encoder_out, self.weight, self.bias, 2 * self.num_layers,
-                                                 self.num_heads, fp8.mode, fp8.state, fp8.slot))
-        kv = ops.linear(encoder_out, self.weight, fp8=fp8)
-        return list(ops.split_heads(kv, self.bias, 2 * self.num_layers, self.num_heads))
+        return ops.linear_split(encoder_out, self.weight, self.bias, 2 * self.num_layers, self.num_heads,
+                                fp8_now(self))
 
 
 class DecoderLayer(EncoderLayer):

@@ -9,6 +9,9 @@ else (CPU, mixed dtypes, autocast, torch.compile) is ``F.linear`` itself.
 
 ``fp8`` (ls_fairseq/ops/fp8.py: Fp8Use, the layer's slot in its model's FP8 state, or None) runs the product as
 FP8 GEMMs where the weight's sizes allow it (multiples of 16).
+
+linear_split(x, weight, bias, n, num_heads, fp8): the attention's input projections, x W^T split into n parts of
+heads with the bias added in the split.
 """
 
 from typing import Optional
@@ -18,7 +21,8 @@ import torch.nn.functional as F
 
 from ls_fairseq import _ext
 from ls_fairseq.ops._dispatch import _autocast_on, cpp_nodes
-from ls_fairseq.ops.fp8 import Fp8Use, fp8_linear, shapes_ok
+from ls_fairseq.ops.attention import split_heads
+from ls_fairseq.ops.fp8 import Fp8Use, fp8_linear, fp8_split_node, shapes_ok
 
 
 def linear(x, weight, bias=None, fp8: Optional[Fp8Use] = None):
@@ -30,3 +34,14 @@ def linear(x, weight, bias=None, fp8: Optional[Fp8Use] = None):
         if nodes is not None and not _autocast_on():
             return nodes.ag_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_split(x, weight, bias, n: int, num_heads: int, fp8: Optional[Fp8Use] = None):
+    """x W^T split into n parts of heads [B, H, T, D], the bias added as the heads are split (its gradient summed as
+    they are merged): an attention's q, k, v, a cross-attention's query, or the layer-batched keys and values. Where
+    the FP8 node applies (ls_fairseq/ops/fp8.py fp8_split_node) the projection and the split are that one node, whose
+    output gradient is quantised straight from the heads' gradients; otherwise linear(fp8=fp8), then split_heads."""
+    node = fp8_split_node(x, weight, fp8)
+    if node is not None:
+        return list(node.ag_fp8_linear_split(x, weight, bias, n, num_heads, fp8.mode, fp8.state, fp8.slot))
+    return list(split_heads(linear(x, weight, fp8=fp8), bias, n, num_heads))
