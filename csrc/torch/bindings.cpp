@@ -58,8 +58,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("qkv_split_fwd", guarded(&qkv_split_fwd), "[B,T,n*C] (+bias) -> [n,B,H,T,D] (token_major: stored [n,B,T,H,D])",
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"), py::arg("token_major") = false);
-  m.def("qkv_split_bwd", guarded(&qkv_split_bwd), "backward of qkv_split", py::arg("d0") = none, py::arg("d1") = none,
-        py::arg("d2") = none, py::arg("n"), py::arg("need_dbias"));
   m.def("split_heads_bwd", guarded(&split_heads_bwd),
         "backward of the split into n = len(parts) parts (None: a zero gradient): [dx [B,T,n*H*D], dbias]",
         py::arg("parts"), py::arg("need_dbias"));

@@ -294,7 +294,7 @@ std::vector<Tensor> act_grad_codes(const char* op, const Tensor& dy2_in, const O
 }
 
 // The codes of the attention input projection's output gradient, merged from the n head gradients d (undefined:
-// zeros) as qkv_split_bwd merges them, under the gradient row of u, and the bias gradient (need_db); one pass over
+// zeros) as split_heads_bwd merges them, under the gradient row of u, and the bias gradient (need_db); one pass over
 // the head gradients under delayed scaling. -> [codes, transposed codes, dbias]
 std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t n, const Use& u, bool rowwise,
                                 bool transposed, bool need_db) {

@@ -87,20 +87,12 @@ HeadGrads gather_head_grads(const std::vector<OptTensor>& ds, bool aligned16) {
   return g;
 }
 
-// split_heads_bwd of n <= 3 parts given one by one (q, k, v)
-std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
-                                  bool need_dbias) {
-  LS_CHECK(n >= 1 && n <= 3, "qkv_split_bwd: n must be 1, 2 or 3");
-  const OptTensor all[3] = {d0, d1, d2};
-  return split_heads_bwd(std::vector<OptTensor>(all, all + n), need_dbias);
-}
-
 // [B, H, T, D] -> [B, T, H*D]
 Tensor merge_heads_fwd(const Tensor& x) {
   const char* op = "merge_heads_fwd";
   LS_CHECK_CUDA(op, x);
   LS_CHECK(x.dim() == 4, op, ": x must be [batch, heads, length, head_dim], got ", x.sizes());
-  return qkv_split_bwd(x.contiguous(), std::nullopt, std::nullopt, 1, false)[0];
+  return split_heads_bwd({OptTensor(x.contiguous())}, false)[0];
 }
 
 // [B, T, H*D] -> [B, H, T, D]

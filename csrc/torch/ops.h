@@ -33,7 +33,7 @@ Tensor embedding_bwd(const Tensor& dy, const OptTensor& mask, const Tensor& keys
 
 Tensor qkv_split_fwd(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads, bool token_major);
 // Whether a [B, H, T, D] head gradient is stored token-major ([B, T, H, D] memory, as SDPA's backward writes it for
-// token-major inputs): qkv_split_bwd and the FP8 merge of head gradients read such gradients in place.
+// token-major inputs): split_heads_bwd and the FP8 merge of head gradients read such gradients in place.
 inline bool token_major_heads(const Tensor& t) { return t.transpose(1, 2).is_contiguous() && !t.is_contiguous(); }
 // The head gradients a merge's kernel reads in place (split_heads_bwd, and the FP8 merge of fp8.cpp): each given part
 // as stored when all given parts are token-major, else contiguous [B, H, T, D]; cloned where its data is not 16-byte
@@ -45,8 +45,6 @@ struct HeadGrads {
 };
 HeadGrads gather_head_grads(const std::vector<OptTensor>& ds, bool aligned16);
 std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_dbias);
-std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
-                                  bool need_dbias);
 Tensor merge_heads_fwd(const Tensor& x);
 Tensor merge_heads_bwd(const Tensor& dy, int64_t num_heads);
 

@@ -19,6 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd);
   m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd);
   m.def("qkv_split_fwd", &qkv_split_fwd);
-  m.def("qkv_split_bwd", &qkv_split_bwd);
   m.def("split_heads_bwd", &split_heads_bwd);
 }

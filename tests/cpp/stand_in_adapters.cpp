@@ -73,11 +73,6 @@ std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_
   Tensor db = need_dbias ? dx.reshape({-1, n * H * D}).sum(0) : at::empty({0}, ref.options());
   return {dx, db};
 }
-std::vector<Tensor> qkv_split_bwd(const OptTensor& d0, const OptTensor& d1, const OptTensor& d2, int64_t n,
-                                  bool need_dbias) {
-  const OptTensor all[3] = {d0, d1, d2};
-  return split_heads_bwd(std::vector<OptTensor>(all, all + n), need_dbias);
-}
 // The FP8 linear node needs CUDA (csrc/torch/fp8.cpp): here only the plain linear node is reachable.
 Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8) {
   LS_CHECK(fp8.mode == 0, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
