@@ -360,11 +360,12 @@ def test_head_forward_and_backward_equal_the_linear_reference(grad_format, curre
     assert no_dw is None
 
 
-@pytest.mark.parametrize("own_backward", [False, True])
-def test_graph_steps_head_takes_fp8_for_the_vocabulary(own_backward):
-    """The CUDA-graph step's head under --fp8: the head's own backward (one cross-entropy pass, then FP8 GEMMs)
-    and autograd through the decoder's output layer give the same loss and gradients; both differ from the
-    head in the model's precision; evaluation mode leaves FP8 out."""
+@pytest.mark.parametrize("own_backward,first_writer", [(False, False), (True, False), (True, True)])
+def test_graph_steps_head_takes_fp8_for_the_vocabulary(own_backward, first_writer):
+    """The CUDA-graph step's head under --fp8: the head's own backward (one cross-entropy pass, then FP8 GEMMs;
+    first_writer: the weight gradient written into the zeroed .grad instead of added to it) and autograd through
+    the decoder's output layer give the same loss and gradients; both differ from the head in the model's
+    precision; evaluation mode leaves FP8 out."""
     import types
 
     from ls_fairseq.fairseq_ext.split_step import head_step
@@ -390,7 +391,7 @@ def test_graph_steps_head_takes_fp8_for_the_vocabulary(own_backward):
         opt = _ScaledBackward(torch.tensor(2.0, dtype=torch.float64)) if own else \
             types.SimpleNamespace(backward=lambda loss: (2.0 * loss).backward())
         leaf = feats.clone().requires_grad_(True)
-        loss, nll, grad = head_step(m, crit, leaf, rows, target_rows, opt)
+        loss, nll, grad = head_step(m, crit, leaf, rows, target_rows, opt, first_writer=own and first_writer)
         return loss.detach(), nll.detach(), grad.clone(), proj.weight.grad.clone()
 
     got, other, plain = run(True, own_backward), run(True, not own_backward), run(False, own_backward)

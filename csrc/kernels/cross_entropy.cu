@@ -23,6 +23,7 @@
 // same one group in both, the extra warps are empty) and above may differ in rounding (the block reduction's
 // order). Ignored rows are not read: loss 0, gradient 0.
 #include "kernels/common.cuh"
+#include "kernels/fp8_codes.cuh"
 
 namespace ls {
 
@@ -222,6 +223,70 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_kernel(T* logit
   ce_grad_row<T, VEC, kCeFusedThreads>(x, x, V, t, false, sh_lse, sh_c);
 }
 
+// The fused forward + backward for an FP8 vocabulary projection: the gradient is written only as FP8 codes
+// (row-major [N, V]) under the delayed scale of the state row fp8_row, as fp8_quantize would make them from
+// ls_ce_fwd_bwd_kernel's output (each value rounded to T first), with the values' maximum recorded in the row; the
+// logits are only read. V a multiple of 8, logits and codes 16-byte aligned rows.
+template <typename T>
+__global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_fp8_kernel(
+    const T* __restrict__ logits, const int64_t* __restrict__ target, float* __restrict__ losses,
+    const float* __restrict__ g_loss, int64_t N, int V, float eps, int64_t ignore_index, float* fp8_row,
+    Fp8Format fmt, uint8_t* __restrict__ codes) {
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * V;
+  const int64_t t = target[row];
+  const bool ignored = t == ignore_index;  // the same for the whole block
+  __shared__ float sh_lse;
+  __shared__ CeGrad sh_c;
+  if (ignored) {
+    if (threadIdx.x == 0) { losses[row] = 0.f; losses[N + row] = 0.f; }
+  } else {
+    MaxSum tot;
+    float tsx;
+    ce_row_stats<T, true, kCeFusedThreads>(x, V, tot, tsx);
+    if (threadIdx.x == 0) {
+      const float lse = tot.m + __logf(tot.s);
+      float loss, nll;
+      ce_row_loss(x, t, V, eps, lse, tsx, loss, nll);
+      losses[row] = loss;
+      losses[N + row] = nll;
+      sh_lse = lse;
+      sh_c = ce_grad_coeffs(g_loss != nullptr ? *g_loss : 1.f, 0.f, eps, V);
+    }
+    __syncthreads();
+  }
+  const float s = fp8_row[kFp8Scale];
+  unsigned m = 0u;
+  uint8_t* q = codes + row * V;
+  for (int g = threadIdx.x; g < V / 8; g += kCeFusedThreads) {
+    const int c0 = g * 8;
+    float v[8];
+    if (ignored) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = 0.f;
+    } else {
+      load8(x + c0, v);
+      const float lse = sh_lse;
+      const CeGrad c = sh_c;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float p = __expf(v[k] - lse);
+        v[k] = to_f(from_f<T>(p * c.A - c.Bc - ((int64_t)(c0 + k) == t ? c.Dt : 0.f)));
+      }
+    }
+    uint2 packed;
+    uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
+      h[k] = to_fp8x2(v[2 * k] * s, v[2 * k + 1] * s, fmt);
+    }
+    *reinterpret_cast<uint2*>(q + c0) = packed;
+  }
+  m = block_max_bits<kCeFusedThreads>(m);
+  if (threadIdx.x == 0) record_amax(fp8_row, m);
+}
+
 // ================================================================ launchers
 
 void ls_cross_entropy_fwd(DType dt, const void* logits, const int64_t* target, float* losses, float* lse, int64_t N,
@@ -267,6 +332,21 @@ void ls_cross_entropy_fwd_bwd(DType dt, void* logits, const int64_t* target, flo
       ls_ce_fwd_bwd_kernel<T, false><<<(unsigned)N, kCeFusedThreads, 0, stream>>>(static_cast<T*>(logits), target,
           losses, g_loss, N, V, epsilon, ignore_index);
     LS_CHECK_LAUNCH("ls_cross_entropy_fwd_bwd", stream);
+  });
+}
+
+void ls_cross_entropy_fwd_bwd_fp8(DType dt, const void* logits, const int64_t* target, float* losses,
+                                  const float* g_loss, int64_t N, int V, float epsilon, int64_t ignore_index,
+                                  float* fp8_row, Fp8Format fmt, void* codes, cudaStream_t stream) {
+  if (N <= 0) return;
+  if (V % 8 != 0 || !aligned16(logits) || !aligned16(codes))
+    throw std::runtime_error("ls_cross_entropy_fwd_bwd_fp8: the vocabulary must be a multiple of 8 and the "
+                             "buffers 16-byte aligned");
+  LS_DISPATCH(dt, T, {
+    ls_ce_fwd_bwd_fp8_kernel<T><<<(unsigned)N, kCeFusedThreads, 0, stream>>>(
+        static_cast<const T*>(logits), target, losses, g_loss, N, V, epsilon, ignore_index, fp8_row, fmt,
+        static_cast<uint8_t*>(codes));
+    LS_CHECK_LAUNCH("ls_cross_entropy_fwd_bwd_fp8", stream);
   });
 }
 

@@ -31,10 +31,9 @@
 // The cast works on 64 x 64 tiles: 256 threads each convert 16 consecutive elements of a row and store them as one
 // 16-byte word of the row-major codes; the transposed codes (what the weight-gradient GEMM reads) go through shared
 // memory and leave as 16-byte words of the transposed rows.
-#include <cuda_fp8.h>
-
 #include "kernels/act_dropout.cuh"
 #include "kernels/colsum.cuh"
+#include "kernels/fp8_codes.cuh"
 
 namespace ls {
 
@@ -55,20 +54,6 @@ __device__ __forceinline__ float scale_from_bits(unsigned amax_bits, Fp8Format f
   return ldexpf(1.f, k);
 }
 
-// |v| as an unsigned bit pattern: for non-negative floats the integer order is the float order, NaN above inf
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
-
-__device__ __forceinline__ unsigned block_max(unsigned m) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  __shared__ unsigned warp_max[kThreads / 32];
-  __syncthreads();  // warp_max may still be read from an earlier call
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
-  return m;  // valid in thread 0
-}
 
 template <typename T>
 __global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* __restrict__ amax_bits) {
@@ -81,13 +66,8 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* __rest
 #pragma unroll
     for (int k = 0; k < 8; ++k) m = max(m, abs_bits(v[k]));
   }
-  m = block_max(m);
+  m = block_max_bits<kThreads>(m);
   if (threadIdx.x == 0) atomicMax(amax_bits, m);
-}
-
-__device__ __forceinline__ uint16_t to_fp8x2(float a, float b, Fp8Format fmt) {
-  const __nv_fp8_interpretation_t kind = fmt == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
-  return (uint16_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind);
 }
 
 // Where the cast reads its values: load16(i, j, v) gives the 16 elements j .. j + 15 of row i of the [M, K] tensor to
@@ -311,11 +291,34 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
     }
   }
   if (!current) {
-    m = block_max(m);
-    if (threadIdx.x == 0) {
-      atomicMax(reinterpret_cast<unsigned*>(row + kFp8Amax), m);
-      if (m >= 0x7f800000u) row[kFp8ScaleInv] = __int_as_float(0x7fc00000);  // inf/NaN in x: a NaN product
-    }
+    m = block_max_bits<kThreads>(m);
+    if (threadIdx.x == 0) record_amax(row, m);
+  }
+}
+
+// The transposed codes [K, Mp] of row-major codes q [M, K] (rows M .. Mp - 1 of the transpose zero), through the
+// cast's swizzled shared tile: each thread reads 16 codes of a row as one word and writes 16 of a transposed row.
+__global__ void transpose_codes_kernel(const uint8_t* __restrict__ q, int64_t M, int64_t K,
+                                       uint8_t* __restrict__ q_t, int64_t Mp) {
+  __shared__ __align__(16) uint8_t tile_t[2][kTile * kTile];
+  const int64_t tiles_m = (Mp + kTile - 1) / kTile, tiles_k = (K + kTile - 1) / kTile;
+  const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
+  int buf = 0;
+  for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x, buf ^= 1) {
+    const int64_t m0 = (t / tiles_k) * kTile, k0 = (t % tiles_k) * kTile;
+    const int64_t i = m0 + r, j = k0 + c;
+    uint4 packed = make_uint4(0u, 0u, 0u, 0u);
+    if (i < M && j < K) packed = *reinterpret_cast<const uint4*>(q + i * K + j);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&packed);
+    uint8_t* tb = tile_t[buf];
+    const int at = swizzled_chunk(c, r >> 4) + (r & 15);
+#pragma unroll
+    for (int k = 0; k < 16; ++k) tb[(c + k) * kTile + at] = b[k];
+    __syncthreads();
+    const int64_t jt = k0 + r, it = m0 + c;
+    if (jt < K && it < Mp)
+      *reinterpret_cast<uint4*>(q_t + jt * Mp + it) =
+          *reinterpret_cast<const uint4*>(tb + r * kTile + swizzled_chunk(r, c >> 4));
   }
 }
 
@@ -374,6 +377,15 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
                          PlainSource<T>{static_cast<const T*>(x), K}, M, K, row, fmt, current,
                          static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp));
   check_launch("fp8_cast", stream);
+}
+
+void fp8_transpose_codes(const void* q, int64_t M, int64_t K, void* q_t, int64_t Mp, cudaStream_t stream) {
+  if (K <= 0 || Mp <= 0) return;
+  const int64_t tiles = tile_rows(M, Mp) * ((K + kTile - 1) / kTile);
+  const int64_t resident = resident_blocks<transpose_codes_kernel, kThreads>();
+  transpose_codes_kernel<<<blocks_for(tiles < resident ? tiles : resident, 1), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(q), M, K, static_cast<uint8_t*>(q_t), Mp);
+  check_launch("fp8_transpose_codes", stream);
 }
 
 namespace {

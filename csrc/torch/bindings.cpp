@@ -90,6 +90,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "FP8 codes of a 2-d tensor under one row of an FP8 state: [row-major codes, transposed codes] (fp8.cpp)",
         py::arg("x"), py::arg("state"), py::arg("row"), py::arg("format"), py::arg("current"), py::arg("rowwise") = true,
         py::arg("transposed") = false);
+  m.def("ls_cross_entropy_fwd_bwd_fp8", guarded(&ls_cross_entropy_fwd_bwd_fp8),
+        "the head's label-smoothed CE (loss, nll) with its gradient only as FP8 codes: [loss, nll, codes, "
+        "transposed codes] (fp8.cpp)", py::arg("logits"), py::arg("target"), py::arg("epsilon"),
+        py::arg("ignore_index"), py::arg("grad_scale"), py::arg("state"), py::arg("row"), py::arg("format"),
+        py::arg("transposed"));
   m.def("fp8_roll", guarded(&fp8_roll), "each FP8 state row's amax into its history, and its next scale (fp8.cu)",
         py::arg("state"), py::arg("grad_format"));
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),

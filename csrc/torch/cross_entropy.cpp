@@ -6,7 +6,7 @@
 
 namespace ls_torch {
 
-static void check_ce(const char* op, const Tensor& logits, const Tensor& target) {
+void check_ce(const char* op, const Tensor& logits, const Tensor& target) {
   LS_CHECK_INPUT(op, logits);
   LS_CHECK_INPUT(op, target);
   LS_CHECK_SAME_DEVICE(op, logits, target);
@@ -15,6 +15,15 @@ static void check_ce(const char* op, const Tensor& logits, const Tensor& target)
               "], got ", target.sizes());
   LS_CHECK_DTYPE(op, target, at::kLong);
   LS_CHECK(logits.size(1) >= 1, op, ": vocabulary must not be empty");
+}
+
+void check_grad_scale(const char* op, const OptTensor& grad_scale, const Tensor& logits) {
+  if (!present(grad_scale)) return;
+  LS_CHECK(grad_scale->device() == logits.device(), op, ": grad_scale must be on ", logits.device(), ", got ",
+           grad_scale->device());
+  LS_CHECK(grad_scale->scalar_type() == at::kFloat && grad_scale->numel() == 1, op,
+           ": grad_scale must be a 1-element float32 tensor, got ", grad_scale->scalar_type(), " of shape ",
+           grad_scale->sizes());
 }
 
 // -> (loss sum, nll sum, lse [N]); all fp32.
@@ -70,13 +79,7 @@ std::vector<Tensor> ls_cross_entropy_fwd_bwd(const Tensor& logits, const Tensor&
   LS_CHECK(epsilon >= 0.0 && epsilon < 1.0, op, ": label smoothing must be in [0, 1), got ", epsilon);
   const ls::DType dt = to_dtype(op, logits);
   auto f32 = logits.options().dtype(at::kFloat);
-  if (present(grad_scale)) {
-    LS_CHECK(grad_scale->device() == logits.device(), op, ": grad_scale must be on ", logits.device(), ", got ",
-             grad_scale->device());
-    LS_CHECK(grad_scale->scalar_type() == at::kFloat && grad_scale->numel() == 1, op,
-             ": grad_scale must be a 1-element float32 tensor, got ", grad_scale->scalar_type(), " of shape ",
-             grad_scale->sizes());
-  }
+  check_grad_scale(op, grad_scale, logits);
   c10::cuda::CUDAGuard guard(logits.device());
   const int64_t N = logits.size(0);
   Tensor losses = at::empty({2, N}, f32);

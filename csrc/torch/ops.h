@@ -55,6 +55,9 @@ Tensor ls_cross_entropy_bwd(const Tensor& logits, const Tensor& target, const Te
 // (loss sum, nll sum); the gradient of grad_scale * loss sum overwrites logits (cross_entropy.cpp)
 std::vector<Tensor> ls_cross_entropy_fwd_bwd(const Tensor& logits, const Tensor& target, double epsilon,
                                              int64_t ignore_index, const OptTensor& grad_scale);
+// what every cross-entropy entry checks of its arguments (cross_entropy.cpp)
+void check_ce(const char* op, const Tensor& logits, const Tensor& target);
+void check_grad_scale(const char* op, const OptTensor& grad_scale, const Tensor& logits);
 
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -151,6 +154,11 @@ struct Fp8Args {
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,
                                  bool rowwise, bool transposed);
 void fp8_roll(const Tensor& state, int64_t grad_format);
+// The head's loss with an FP8 vocabulary projection: ls_cross_entropy_fwd_bwd whose gradient leaves only as FP8
+// codes under the delayed scale of one state row (fp8.cpp) -> (loss sum, nll sum, codes, transposed codes)
+std::vector<Tensor> ls_cross_entropy_fwd_bwd_fp8(const Tensor& logits, const Tensor& target, double epsilon,
+                                                 int64_t ignore_index, const OptTensor& grad_scale,
+                                                 const Tensor& state, int64_t row, int64_t format, bool transposed);
 Tensor ag_fp8_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t mode,
                      const OptTensor& state, int64_t slot);
 // fp8 off or a weight whose sizes are not multiples of 16: the plain linear node

@@ -332,7 +332,7 @@ class GraphStep:
         g.fwd.replay()
         leaf = g.feats.detach().requires_grad_(True)
         loss, nll, _ = head_step(self.model, self.criterion, leaf, views["rows"], views["target_rows"], optimizer,
-                                 grad_out=g.grad)
+                                 grad_out=g.grad, first_writer=self.grads.mode == "write")
         g.bwd.replay()
         self.grads.replayed()
         self.counts["graph"] += 1

@@ -45,10 +45,12 @@ def head(model, criterion, features, rows, target_rows):
     return label_smoothed_cross_entropy(logits, target_rows, criterion.eps, ignore_index=criterion.padding_idx)
 
 
-def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out=None):
+def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out=None, first_writer=False):
     """The head's forward and backward: (loss, nll_loss, the features' gradient) of the counted positions
     ``rows`` of ``features`` [..., C] (a leaf), the output projection's gradient added into its ``.grad``.
     ``grad_out`` (optional, shaped as ``features``): where the features' gradient is written.
+    ``first_writer``: the projection's ``.grad`` holds zeros that nothing else adds to before this head runs (the
+    CUDA-graph step's updates of one micro-batch), so its FP8 weight-gradient GEMM may write there directly.
 
     With the trainer's deferred step (``optimizer.backward_by``) and the projection's gradient attached,
     without autograd: the cross-entropy kernel writes the gradient of the scaled loss over the logits in
@@ -64,7 +66,7 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
         grad_out.copy_(features.grad)
         return loss, nll, grad_out
     from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad
-    from ls_fairseq.ops.fp8 import fp8_head_backward, fp8_head_forward, fp8_now
+    from ls_fairseq.ops.fp8 import fp8_head_forward, fp8_head_loss_backward, fp8_now
 
     C = features.shape[-1]
     # --fp8: the projection's three GEMMs in FP8 (attach_fp8 gives it no FP8 slot unless its sizes allow them)
@@ -77,21 +79,29 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
             logits, saved = fp8_head_forward(x, w, fp8)
 
         def backward(scale):
-            loss, nll = label_smoothed_cross_entropy_with_grad(logits, target_rows, criterion.eps,
-                                                               criterion.padding_idx, scale)
-            # logits now hold d(scale * loss) / d logits
             g = torch.zeros_like(features) if grad_out is None else grad_out.zero_()
             # (rows repeats row 0 for the ignored targets that round its count up: their gradient rows are zeros)
             if fp8 is None:
+                loss, nll = label_smoothed_cross_entropy_with_grad(logits, target_rows, criterion.eps,
+                                                                   criterion.padding_idx, scale)
+                # logits now hold d(scale * loss) / d logits
                 g.view(-1, C).index_add_(0, rows, torch.mm(logits, w))
                 w.grad.addmm_(logits.t(), x)
             else:
-                dx, dw = fp8_head_backward(logits, saved, fp8)
+                dw_out = w.grad if first_writer and _writable(w.grad, logits.dtype) else None
+                loss, nll, dx, dw = fp8_head_loss_backward(logits, target_rows, criterion.eps, criterion.padding_idx,
+                                                           scale, saved, fp8, dw_out=dw_out)
                 g.view(-1, C).index_add_(0, rows, dx)
-                w.grad.add_(dw)
+                if dw_out is None:
+                    w.grad.add_(dw)
             return loss, nll, g
 
         return optimizer.backward_by(backward)
+
+
+def _writable(t, dtype) -> bool:
+    """Whether a GEMM may write its output into ``t`` (contiguous, of ``dtype``, 16-byte aligned)."""
+    return t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
 class _PlainBackward:

@@ -88,6 +88,19 @@ class _LabelSmoothedCEFn(torch.autograd.Function):
         return d.view(shape), None, None, None, None
 
 
+def grad_scale_tensor(grad_scale):
+    """``grad_scale`` of :func:`label_smoothed_cross_entropy_with_grad` (None, a number or a 1-element tensor) as
+    None or a tensor of shape [1]."""
+    if grad_scale is None:
+        return None
+    if not isinstance(grad_scale, torch.Tensor):
+        grad_scale = torch.tensor([float(grad_scale)])
+    if grad_scale.numel() != 1:
+        raise ValueError(f"cross-entropy with grad: grad_scale must have 1 element, got shape "
+                         f"{tuple(grad_scale.shape)}")
+    return grad_scale.reshape(1)
+
+
 def label_smoothed_cross_entropy_with_grad(logits, target, epsilon: float = 0.0, ignore_index: int = -100,
                                            grad_scale=None):
     """Loss and gradient in one call, for a caller whose only backward through the loss is ``grad_scale * loss``
@@ -107,20 +120,11 @@ def label_smoothed_cross_entropy_with_grad(logits, target, epsilon: float = 0.0,
         raise ValueError("cross-entropy with grad: the vocabulary must not be empty")
     if not logits.is_contiguous():
         raise ValueError("cross-entropy with grad: logits must be contiguous (the gradient is written over them)")
-    if grad_scale is not None:
-        if not isinstance(grad_scale, torch.Tensor):
-            grad_scale = torch.tensor([float(grad_scale)])
-        if grad_scale.numel() != 1:
-            raise ValueError(f"cross-entropy with grad: grad_scale must have 1 element, got shape "
-                             f"{tuple(grad_scale.shape)}")
+    grad_scale = grad_scale_tensor(grad_scale)
     with torch.no_grad():
         mod = kernel_module("label_smoothed_cross_entropy", logits, target)
         if mod is not None:
-            gs = None
-            if grad_scale is not None:
-                gs = grad_scale.reshape(1)
-                if gs.dtype != torch.float32 or gs.device != logits.device:
-                    gs = gs.to(logits.device, torch.float32)
+            gs = None if grad_scale is None else grad_scale.to(logits.device, torch.float32)
             t1 = target.long().contiguous()
             loss, nll = call("ls_cross_entropy_fwd_bwd", logits, t1, float(epsilon), int(ignore_index), gs)
             return loss, nll

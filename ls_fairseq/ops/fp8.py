@@ -267,24 +267,66 @@ def fp8_head_forward(x: torch.Tensor, weight: torch.Tensor, use: Fp8Use, keep_x:
     return y.to(x.dtype), Fp8HeadSaved(xq if keep_x else None, wq, None, None, sx, sw)
 
 
-def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw: bool = True):
+def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw: bool = True,
+                      dw_out: Optional[torch.Tensor] = None):
     """(dx, dW or None) of :func:`fp8_head_forward` for the logits' gradient ``g`` [rows, vocab]: both GEMMs in
-    FP8 from g's codes in the gradient format, in g's dtype."""
+    FP8 from g's codes in the gradient format, in g's dtype. ``dw_out``: where dW is written (its shape and g's
+    dtype, 16-byte aligned), then returned."""
     need_dw = need_dw and (saved.xq_t is not None or saved.xq is not None)
     mod = _fp8_extension(g, "fp8_quantize")
     if mod is not None:
         st, r = use.state, 3 * use.slot + 2
         gq, gq_t = mod.fp8_quantize(g, st, r, use.grad_format, use.current, True, need_dw)
-        sg = st[r, SCALE_INV]
-        dx = torch._scaled_mm(gq, saved.wq_t.t(), scale_a=sg, scale_b=saved.sw, out_dtype=g.dtype,
-                              use_fast_accum=True)
-        dw = None
-        if need_dw:
-            dw = torch._scaled_mm(gq_t, saved.xq_t.t(), scale_a=sg, scale_b=saved.sx, out_dtype=g.dtype,
-                                  use_fast_accum=True)
-        return dx, dw
+        return _head_gemms(gq, gq_t, st[r, SCALE_INV], saved, g.dtype, dw_out)
     dx, dw = _reference_grads(g, saved.xq, saved.wq, saved.sx, saved.sw, use, True, need_dw)
-    return dx.to(g.dtype), dw.to(g.dtype) if dw is not None else None
+    dx, dw = dx.to(g.dtype), dw.to(g.dtype) if dw is not None else None
+    if dw is not None and dw_out is not None:
+        dw = dw_out.copy_(dw)
+    return dx, dw
+
+
+def fp8_head_loss_backward(logits: torch.Tensor, target: torch.Tensor, epsilon: float, ignore_index: int,
+                           grad_scale, saved: Fp8HeadSaved, use: Fp8Use, need_dw: bool = True,
+                           dw_out: Optional[torch.Tensor] = None):
+    """The head's label-smoothed loss and its backward through :func:`fp8_head_forward`'s projection: (loss sum,
+    nll sum, dx, dW or None), for the gradient of ``grad_scale * loss`` (None, a number or a 1-element tensor).
+    ``dw_out`` as in :func:`fp8_head_backward`.
+
+    On CUDA under delayed scaling the loss kernel writes the logits' gradient only as its FP8 codes
+    (``ls_cross_entropy_fwd_bwd_fp8``): the gradient is never stored in the logits' dtype nor quantised by a pass
+    of its own, and the logits are left as they are. Otherwise the gradient is written over the logits
+    (:func:`~ls_fairseq.ops.cross_entropy.label_smoothed_cross_entropy_with_grad`) and :func:`fp8_head_backward`
+    quantises it. Both make the same codes, hence the same results."""
+    from ls_fairseq.ops.cross_entropy import grad_scale_tensor, label_smoothed_cross_entropy_with_grad
+
+    need_dw = need_dw and (saved.xq_t is not None or saved.xq is not None)
+    mod = _fp8_extension(logits, "ls_cross_entropy_fwd_bwd_fp8")
+    if mod is None or use.current:
+        loss, nll = label_smoothed_cross_entropy_with_grad(logits, target, epsilon, ignore_index, grad_scale)
+        dx, dw = fp8_head_backward(logits, saved, use, need_dw, dw_out)
+        return loss, nll, dx, dw
+    gs = grad_scale_tensor(grad_scale)
+    if gs is not None:
+        gs = gs.to(logits.device, torch.float32)
+    st, r = use.state, 3 * use.slot + 2
+    with torch.no_grad():
+        loss, nll, gq, gq_t = mod.ls_cross_entropy_fwd_bwd_fp8(logits, target.long().contiguous(), float(epsilon),
+                                                               int(ignore_index), gs, st, r, use.grad_format,
+                                                               need_dw)
+        dx, dw = _head_gemms(gq, gq_t if need_dw else None, st[r, SCALE_INV], saved, logits.dtype, dw_out)
+    return loss, nll, dx, dw
+
+
+def _head_gemms(gq, gq_t, sg, saved: Fp8HeadSaved, dtype, dw_out):
+    """The head's input-gradient and weight-gradient FP8 GEMMs from the codes of the logits' gradient (gq_t None:
+    no weight gradient)."""
+    dx = torch._scaled_mm(gq, saved.wq_t.t(), scale_a=sg, scale_b=saved.sw, out_dtype=dtype, use_fast_accum=True)
+    dw = None
+    if gq_t is not None:
+        out = {} if dw_out is None else {"out": dw_out}
+        dw = torch._scaled_mm(gq_t, saved.xq_t.t(), scale_a=sg, scale_b=saved.sx, out_dtype=dtype,
+                              use_fast_accum=True, **out)
+    return dx, dw
 
 
 def _fp8_extension(x, entry: str):

@@ -186,6 +186,41 @@ def test_head_equals_the_fp8_linear_node(grad_format, rows, V, C, current):
     assert torch.equal(st, ref)
 
 
+@pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
+@pytest.mark.parametrize("rows,V,C", [(37, 2048, 256), (1031, 32000, 1024)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [None, 1024.0])
+def test_head_loss_writes_the_codes_of_the_gradient(grad_format, rows, V, C, dtype, scale):
+    """Under delayed scaling the head's loss kernel writes the logits' gradient only as FP8 codes: the same loss,
+    nll, input and weight gradients bit for bit as the loss kernel writing the gradient over the logits followed by
+    its quantisation, the same recorded maximum; the logits are left as they were; ignored rows give nothing; the
+    weight gradient written into a given buffer equals the returned one."""
+    from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad
+
+    g = torch.Generator(device="cuda").manual_seed(rows + V)
+    x = torch.randn(rows, C, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(V, C, device="cuda", generator=g) * 2 / C ** 0.5).to(dtype)
+    target = torch.randint(0, V, (rows,), device="cuda", generator=g)
+    target[::7] = 1  # the padding index: ignored rows
+    gs = None if scale is None else torch.tensor([scale], device="cuda")
+    mode = 1 + grad_format
+    st = _state_with_history(3, [3.0, 0.1, 2.5e-3 * (scale or 1.0)], grad_format)
+    logits, saved = fp8.fp8_head_forward(x, w, fp8.Fp8Use(mode, st, 0))
+    kept = logits.clone()
+    st_a, st_b = st.clone(), st.clone()
+    out = torch.full((V, C), float("nan"), device="cuda", dtype=dtype)
+    loss, nll, dx, dw = fp8.fp8_head_loss_backward(logits, target, 0.1, 1, gs, saved, fp8.Fp8Use(mode, st_a, 0),
+                                                   dw_out=out)
+    assert torch.equal(logits, kept)
+    ref_logits = logits.clone()
+    ref_loss, ref_nll = label_smoothed_cross_entropy_with_grad(ref_logits, target, 0.1, 1, gs)
+    ref_dx, ref_dw = fp8.fp8_head_backward(ref_logits, saved, fp8.Fp8Use(mode, st_b, 0))
+    assert torch.equal(loss, ref_loss) and torch.equal(nll, ref_nll)
+    assert torch.equal(dx, ref_dx) and torch.equal(dw, ref_dw) and dw.data_ptr() == out.data_ptr()
+    assert torch.equal(st_a, st_b) and st_a[2, fp8.AMAX] > 0
+    assert torch.all(dx[::7] == 0)
+
+
 def _node_equals_chain(run, state_rows, dtype, names, bias_sum_reordered=True):
     """run(kind, state, mode, step) -> (values..., bias gradient) of the fused node (kind "node", twice) and of the
     chain it replaces ("chain"), each with its own FP8 state, over a current-scaling step and two delayed ones: the
