@@ -104,9 +104,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(fp8.cpp)", py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"),
         py::arg("mode"), py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_ffn", guarded(&ag_fp8_ffn),
-        "differentiable dropout(act(x W1^T + b1)) W2^T, both projections in FP8 as one node: [y, mask] (fp8.cpp)",
-        py::arg("x"), py::arg("w1"), py::arg("b1") = none, py::arg("w2"), py::arg("activation"), py::arg("p"),
-        py::arg("mode"), py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true);
+        "differentiable residual + dropout(dropout(act(x W1^T + b1)) W2^T + b2), both projections in FP8 as one "
+        "node: [out, activation mask, output mask] (fp8.cpp)",
+        py::arg("x"), py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"), py::arg("residual"),
+        py::arg("activation"), py::arg("p"), py::arg("p_out"), py::arg("mode"), py::arg("state"), py::arg("slot1"),
+        py::arg("slot2"), py::arg("keep_codes") = true);
   // packed sequences when cu_q is given (with cu_k, max_q, max_k: ops.h)
   m.def("short_attention_fits", guarded(+[](const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
                                              const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q,

@@ -374,14 +374,17 @@ std::vector<Tensor> fp8_linear_backward_codes(const Tensor& g2, const Tensor& xq
 
 namespace {
 
-// The FFN's two projections as one node: y = dropout(act(x W1^T + b1)) W2^T with both projections in FP8, so that the
-// gradient crossing from the second projection to the first leaves the activation's backward as codes (with b1's
-// gradient summed on the way) and is never stored in the model's precision nor quantised by a pass of its own. The
-// forward is the chain ag_fp8_linear -> ag_bias_act_linear(keep_codes) would record, and every value but b1's
-// gradient (the same sum in another order) equals that chain's bit for bit.
+// The FFN block's projections as one node: out = residual + dropout(dropout(act(x W1^T + b1)) W2^T + b2) with both
+// projections in FP8, so that the gradients reaching each projection's output leave the kernel that computes them
+// as codes: the residual dropout's backward writes the second projection's (with b2's gradient summed on the way),
+// the activation's backward the first one's (with b1's); neither is stored in the model's precision nor quantised
+// by a pass of its own. The forward is the chain ag_fp8_linear -> ag_bias_act_linear(keep_codes) ->
+// ag_bias_dropout_residual would record, and every value but the bias gradients (the same sums in another order)
+// equals that chain's bit for bit.
 struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
-                               const Tensor& w2, const std::string& activation, double p, int64_t mode,
+                               const Tensor& w2, const OptTensor& b2, const Tensor& residual,
+                               const std::string& activation, double p, double p_out, int64_t mode,
                                const Tensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
     const char* op = "fp8_ffn";
     const Use u1 = use_of(op, mode, state, slot1, x);  // slot2: checked by ag_fp8_ffn and fp8_act_linear_forward
@@ -389,58 +392,69 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     auto f1 = linear_forward(x2, w1, std::nullopt, u1, w1.requires_grad());  // [h2, xq_t, w1q_t, sx, sw1]
     const bool relu_bits = keep_codes && activation == "relu";  // relu's backward needs only the bits of a > 0
     auto f2 = fp8_act_linear_forward(f1[0], b1, w2, activation, p, mode, state, slot2, keep_codes, relu_bits);
+    auto o = bias_dropout_residual_fwd(f2[0], b2, contig(residual.reshape({-1, w2.size(0)})), p_out);  // [out, mask]
     auto sizes = x.sizes().vec();
     sizes.back() = w2.size(0);
     ctx->set_materialize_grads(false);
-    // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state
+    // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state  mask_out
     ctx->save_for_backward({relu_bits ? Tensor() : f1[0], f2[1], f1[1], f1[2], f1[3], f1[4], f2[2], f2[3], f2[4],
-                            f2[5], present(b1) ? *b1 : Tensor(), state});
-    ctx->mark_non_differentiable({f2[1]});
+                            f2[5], present(b1) ? *b1 : Tensor(), state, o[1]});
+    ctx->mark_non_differentiable({f2[1], o[1]});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["act"] = activation;
     ctx->saved_data["p"] = p;
+    ctx->saved_data["p_out"] = p_out;
+    ctx->saved_data["hb2"] = present(b2);
     ctx->saved_data["relu_bits"] = relu_bits;
     ctx->saved_data["mode"] = mode;
     ctx->saved_data["slot1"] = slot1;
     ctx->saved_data["slot2"] = slot2;
     ctx->saved_data["w1key"] = key_value(w1);
     ctx->saved_data["w2key"] = key_value(w2);
-    return {at::_unsafe_view(f2[0], sizes), f2[1]};
+    return {at::_unsafe_view(o[0], sizes), f2[1], o[1]};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const char* op = "fp8_ffn backward";
     const Tensor& g = grads[0];
-    const variable_list none(11);
+    const variable_list none(14);
     if (!g.defined()) return none;
     auto s = ctx->get_saved_variables();
     const Tensor &h2 = s[0], &mask_t = s[1], &xq_t = s[2], &w1q_t = s[3], &sx = s[4], &sw1 = s[5];
+    const Tensor &sa = s[8], &sw2 = s[9], &mask_out = s[12];
     const OptTensor b1 = opt_of(s[10]);
     const Tensor& state = s[11];
     const std::string act = ctx->saved_data["act"].toStringRef();
-    const double p = ctx->saved_data["p"].toDouble();
+    const double p = ctx->saved_data["p"].toDouble(), p_out = ctx->saved_data["p_out"].toDouble();
     const bool relu_bits = ctx->saved_data["relu_bits"].toBool();
     const int64_t mode = ctx->saved_data["mode"].toInt(), slot2 = ctx->saved_data["slot2"].toInt();
     const Use u1 = use_of(op, mode, state, ctx->saved_data["slot1"].toInt(), g);
+    const Use u2 = use_of(op, mode, state, slot2, g);
     const OptTensor mask = p > 0 || relu_bits ? OptTensor(mask_t) : std::nullopt;
     const bool need_dx = ctx->needs_input_grad(0), need_dw1 = ctx->needs_input_grad(1) && xq_t.defined();
     const bool need_db = present(b1) && ctx->needs_input_grad(2), need_dw2 = ctx->needs_input_grad(3);
+    const bool need_db2 = ctx->saved_data["hb2"].toBool() && ctx->needs_input_grad(4);
 
     Tensor g2 = contig(g.reshape({-1, g.size(-1)}));
     Tensor aq_t = s[6];
     if (!aq_t.defined() && need_dw2) aq_t = fp8_act_codes_t(h2, b1, mask, act, p, mode, state, slot2);
-    auto d2 = fp8_linear_backward_codes(g2, aq_t, s[7], s[8], s[9], mode, state, slot2, need_dw2,
-                                        key_of(ctx, "w2key"));  // [da2, dW2]
-    auto c = act_grad_codes(op, d2[0], relu_bits ? std::nullopt : OptTensor(h2), b1, mask, p, act, u1, need_dx,
+    // the second projection's output gradient: the residual dropout's backward of g, as codes
+    auto c2 = act_grad_codes(op, g2, std::nullopt, std::nullopt, p_out > 0 ? OptTensor(mask_out) : std::nullopt,
+                             p_out, "none", u2, true, need_dw2 && aq_t.defined(), need_db2);
+    auto [da2, dw2] = backward_gemms(c2[0], c2[1], scale_inv_of(state, u2.row(2)), aq_t, s[7], sa, sw2,
+                                     g2.scalar_type(), g2.scalar_type(), key_of(ctx, "w2key"));
+    auto c = act_grad_codes(op, da2, relu_bits ? std::nullopt : OptTensor(h2), b1, mask, p, act, u1, need_dx,
                             need_dw1, need_db);
     auto [dx2, dw1] = backward_gemms(c[0], c[1], scale_inv_of(state, u1.row(2)), xq_t, w1q_t, sx, sw1,
                                      g2.scalar_type(), g2.scalar_type(), key_of(ctx, "w1key"));
     Tensor dx = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
-    variable_list out(11);
+    variable_list out(14);
     out[0] = dx;
     out[1] = dw1;
     out[2] = need_db ? c[2] : Tensor();
-    out[3] = need_dw2 ? d2[1] : Tensor();
+    out[3] = need_dw2 ? dw2 : Tensor();
+    out[4] = need_db2 ? c2[2] : Tensor();
+    out[5] = ctx->needs_input_grad(5) ? g : Tensor();  // the residual's gradient: g itself
     return out;
   }
 };
@@ -448,23 +462,33 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
 }  // namespace
 
 std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
-                               const std::string& activation, double p, int64_t mode, const OptTensor& state,
-                               int64_t slot1, int64_t slot2, bool keep_codes) {
+                               const OptTensor& b2, const Tensor& residual, const std::string& activation, double p,
+                               double p_out, int64_t mode, const OptTensor& state, int64_t slot1, int64_t slot2,
+                               bool keep_codes) {
   const char* op = "fp8_ffn";
   LS_CHECK(x.dim() >= 2 && w1.dim() == 2 && w2.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0),
            op, ": input ", x.sizes(), ", first weight ", w1.sizes(), " and second weight ", w2.sizes(),
            " do not chain");
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = w2.size(0);
+  LS_CHECK(residual.sizes() == at::IntArrayRef(out_sizes) && residual.scalar_type() == x.scalar_type() &&
+               residual.device() == x.device(),
+           op, ": residual must be ", at::IntArrayRef(out_sizes), " of ", x.scalar_type(), " on ", x.device().str(),
+           ", got ", residual.sizes(), " of ", residual.scalar_type());
   check_projection(op, x, w1, b1);
-  check_projection(op, x, w2, std::nullopt);
+  check_projection(op, x, w2, b2);
   check_p(op, p);
+  check_p(op, p_out);
   parse_act(op, activation);
   const Use u = use_of(op, mode, state, slot1, x);
   use_of(op, mode, state, slot2, x);
   if (x.numel() == 0) {
     auto r = ag_bias_act_dropout(ag_linear(x, w1, std::nullopt), b1, activation, p);
-    return {ag_linear(r[0], w2, std::nullopt), r[1]};
+    auto o = ag_bias_dropout_residual(ag_linear(r[0], w2, std::nullopt), b2, residual, p_out);
+    return {o[0], r[1], o[1]};
   }
-  return Fp8FfnNode::apply(x, w1, b1, w2, activation, p, mode, u.state, slot1, slot2, keep_codes);
+  return Fp8FfnNode::apply(x, w1, b1, w2, b2, residual, activation, p, p_out, mode, u.state, slot1, slot2,
+                           keep_codes);
 }
 
 namespace {

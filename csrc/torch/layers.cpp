@@ -172,11 +172,15 @@ std::pair<Tensor, Tensor> block_input(const Tensor& x, const LayerArgs& a, const
   return {r[0], r[1]};
 }
 
+// the block's output from x = residual + dropout(h + bias): x, or its layer norm in a post-LN block
+Tensor block_end(const Tensor& x, const LayerArgs& a, const Tensor& w, const Tensor& b, double eps) {
+  return a.pre ? x : ag_layer_norm(x, std::nullopt, w, b, eps, a.invertible)[0];
+}
+
 // residual + dropout(h + bias), then the layer norm of a post-LN block
 Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual, const LayerArgs& a, const Tensor& w,
                     const Tensor& b, double eps) {
-  Tensor x = ag_bias_dropout_residual(h, bias, residual, a.p.dropout)[0];
-  return a.pre ? x : ag_layer_norm(x, std::nullopt, w, b, eps, a.invertible)[0];
+  return block_end(ag_bias_dropout_residual(h, bias, residual, a.p.dropout)[0], a, w, b, eps);
 }
 
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
@@ -197,9 +201,11 @@ Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, cons
   const Fp8Args f1 = a.fp8.at(2), f = a.fp8.at(3);
   const bool recompute = a.recompute && activation == "gelu";
   if (f1.mode > 0 && f.mode > 0 && fp8_linear_shapes_ok(w[8]) && fp8_linear_shapes_ok(w[10])) {
-    // both projections in FP8: one node, the activation and the gradient between the projections only as codes
-    h = ag_fp8_ffn(h, w[8], w[9], w[10], activation, a.p.act, f.mode, f.state, f1.slot, f.slot, !recompute)[0];
-    return block_output(h, w[11], residual, a, w[6], w[7], eps);
+    // both projections in FP8: one node with the residual's dropout, the activation and the gradients reaching the
+    // projections only as codes
+    return block_end(ag_fp8_ffn(h, w[8], w[9], w[10], w[11], residual, activation, a.p.act, a.p.dropout, f.mode,
+                                f.state, f1.slot, f.slot, !recompute)[0],
+                     a, w[6], w[7], eps);
   }
   h = ag_linear_mode(h, w[8], std::nullopt, f1);
   if (recompute || (f.mode > 0 && fp8_linear_shapes_ok(w[10]))) {  // FP8: the activation written only as codes

@@ -190,13 +190,15 @@ std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, c
                                        const std::string& activation, double p, int64_t fp8,
                                        const OptTensor& fp8_state, int64_t fp8_slot, bool keep_fp8_codes);
 
-// The FFN's two projections as one FP8 node: dropout(act(x W1^T + b1)) W2^T -> [y, mask], both projections in FP8
-// (mode as in ag_fp8_linear; slots slot1 and slot2 of the state); the activation leaves the forward only as codes
-// (keep_codes: kept for the weight gradient, else made again in the backward, --ls-recompute-activation) and the
-// gradient between the projections leaves the activation's backward only as codes (fp8.cpp).
+// The FFN block's projections as one FP8 node: residual + dropout_{p_out}(dropout_p(act(x W1^T + b1)) W2^T + b2)
+// -> [out, activation mask, output mask], both projections in FP8 (mode as in ag_fp8_linear; slots slot1 and slot2
+// of the state); the activation leaves the forward only as codes (keep_codes: kept for the weight gradient, else
+// made again in the backward, --ls-recompute-activation) and the gradients reaching the projections' outputs leave
+// the dropout's and the activation's backward only as codes (fp8.cpp).
 std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
-                               const std::string& activation, double p, int64_t mode, const OptTensor& state,
-                               int64_t slot1, int64_t slot2, bool keep_codes);
+                               const OptTensor& b2, const Tensor& residual, const std::string& activation, double p,
+                               double p_out, int64_t mode, const OptTensor& state, int64_t slot1, int64_t slot2,
+                               bool keep_codes);
 
 // The attention's input projection and head split as one FP8 node: x [B, T, C] W^T (+ bias) -> n parts [B, H, T, D]
 // (as ag_split_heads makes them); the output gradient is quantised straight from the heads' gradients (fp8.cpp).

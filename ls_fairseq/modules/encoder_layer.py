@@ -104,11 +104,15 @@ class EncoderLayer(nn.Module):
         h, residual = self.final_layer_norm.with_input(x) if self.normalize_before else (x, x)
         f1, f2 = fp8_now(self, 2), fp8_now(self, 3)
         node = fp8_ffn_node(h, self.fc1.weight, self.fc2.weight, f1, f2)
-        if node is not None:  # both projections in FP8: one node, the activation and its gradient only as codes
-            h = node.ag_fp8_ffn(h, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.activation,
-                                float(self.activation_dropout) if self.training else 0.0, f1.mode, f1.state, f1.slot,
-                                f2.slot, not self.recomputes_activation())[0]
-        elif self.recomputes_activation():
+        if node is not None:
+            # both projections in FP8: one node with the residual's dropout, the activation and the gradients
+            # reaching the projections only as codes
+            x = node.ag_fp8_ffn(h, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, residual,
+                                self.activation, float(self.activation_dropout) if self.training else 0.0,
+                                float(self.dropout) if self.training else 0.0, f1.mode, f1.state, f1.slot, f2.slot,
+                                not self.recomputes_activation())[0]
+            return x if self.normalize_before else self.final_layer_norm(x)
+        if self.recomputes_activation():
             h = ops.bias_act_linear(ops.linear(h, self.fc1.weight, fp8=f1), self.fc1.bias, self.fc2.weight,
                                     self.activation, self.activation_dropout, self.training, fp8=f2)
         else:

@@ -295,9 +295,10 @@ def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 61, 64, 256), (2, 100, 128, 4096)])
 def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
-    """The FFN as one FP8 node (ag_fp8_ffn) writes the gradient between its projections straight as codes, with the
-    bias gradient summed on the way: output, mask, dx, both weight gradients and the FP8 state equal those of the
-    chain it replaces (the FP8 linear node, then ag_bias_act_linear) bit for bit (_node_equals_chain)."""
+    """The FFN block as one FP8 node (ag_fp8_ffn) writes the gradients reaching its projections straight as codes,
+    with the bias gradients summed on the way: output, masks, dx, both weight gradients, the residual's gradient and
+    the FP8 state equal those of the chain it replaces (the FP8 linear node, ag_bias_act_linear, then
+    ag_bias_dropout_residual) bit for bit (_node_equals_chain)."""
     mod = _mod()
     *lead, C, F = shape
     g = torch.Generator(device="cuda").manual_seed(F + C)
@@ -305,21 +306,26 @@ def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
     w1 = (torch.randn(F, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
     b1 = (0.5 * torch.randn(F, device="cuda", generator=g)).to(dtype)
     w2 = (torch.randn(C, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
+    b2 = (0.5 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+    res = torch.randn(*lead, C, device="cuda", generator=g).to(dtype)
     dy = torch.randn(*lead, C, device="cuda", generator=g).to(dtype)
+    p_out = p / 3
 
     def run(kind, st, mode, step):
-        xi, w1i, b1i, w2i = (t.clone().requires_grad_() for t in (x, w1, b1, w2))
+        xi, w1i, b1i, w2i, b2i, ri = (t.clone().requires_grad_() for t in (x, w1, b1, w2, b2, res))
         torch.manual_seed(11 + step)
         if kind == "chain":
             h = mod.ag_fp8_linear(xi, w1i, None, mode, st, 0)
             y, mask = mod.ag_bias_act_linear(h, b1i, w2i, activation, p, mode, st, 1, keep)
+            out, mask_out = mod.ag_bias_dropout_residual(y, b2i, ri, p_out)
         else:
-            y, mask = mod.ag_fp8_ffn(xi, w1i, b1i, w2i, activation, p, mode, st, 0, 1, keep)
-        y.backward(dy)
+            out, mask, mask_out = mod.ag_fp8_ffn(xi, w1i, b1i, w2i, b2i, ri, activation, p, p_out, mode, st, 0, 1,
+                                                 keep)
+        out.backward(dy)
         assert xi.grad.abs().sum() > 0
-        return y, mask, xi.grad, w1i.grad, w2i.grad, b1i.grad
+        return out, mask, mask_out, xi.grad, w1i.grad, w2i.grad, ri.grad, torch.cat([b1i.grad, b2i.grad])
 
-    _node_equals_chain(run, 6, dtype, ("output", "mask", "dx", "dW1", "dW2"))
+    _node_equals_chain(run, 6, dtype, ("output", "mask", "output mask", "dx", "dW1", "dW2", "d residual"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -365,17 +371,20 @@ def test_fp8_ffn_node_errors():
     w1 = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
     w2 = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="do not chain"):
-        mod.ag_fp8_ffn(x, w1, None, w2.t().contiguous(), "relu", 0.0, 2, st, 0, 1)
+        mod.ag_fp8_ffn(x, w1, None, w2.t().contiguous(), None, x, "relu", 0.0, 0.0, 2, st, 0, 1)
     with pytest.raises(RuntimeError, match="both be bfloat16 or float16"):
-        mod.ag_fp8_ffn(x, w1.half(), None, w2, "relu", 0.0, 2, st, 0, 1)
+        mod.ag_fp8_ffn(x, w1.half(), None, w2, None, x, "relu", 0.0, 0.0, 2, st, 0, 1)
     with pytest.raises(RuntimeError, match="not a multiple of 16"):
-        mod.ag_fp8_ffn(x, w1[:40], None, w2[:, :40], "relu", 0.0, 2, st, 0, 1)
+        mod.ag_fp8_ffn(x, w1[:40], None, w2[:, :40], None, x, "relu", 0.0, 0.0, 2, st, 0, 1)
     with pytest.raises(RuntimeError, match="bias must be"):
-        mod.ag_fp8_ffn(x, w1, torch.zeros(63, device="cuda", dtype=torch.bfloat16), w2, "relu", 0.0, 2, st, 0, 1)
+        mod.ag_fp8_ffn(x, w1, torch.zeros(63, device="cuda", dtype=torch.bfloat16), w2, None, x, "relu", 0.0, 0.0, 2,
+                       st, 0, 1)
     with pytest.raises(RuntimeError, match="this layer needs 9"):
-        mod.ag_fp8_ffn(x, w1, None, w2, "relu", 0.0, 2, st, 0, 2)
+        mod.ag_fp8_ffn(x, w1, None, w2, None, x, "relu", 0.0, 0.0, 2, st, 0, 2)
     with pytest.raises(RuntimeError, match="activation"):
-        mod.ag_fp8_ffn(x, w1, None, w2, "tanh", 0.0, 2, st, 0, 1)
+        mod.ag_fp8_ffn(x, w1, None, w2, None, x, "tanh", 0.0, 0.0, 2, st, 0, 1)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        mod.ag_fp8_ffn(x, w1, None, w2, None, x[:3], "relu", 0.0, 0.0, 2, st, 0, 1)
     x3 = x.view(2, 2, 32)
     w3 = torch.randn(96, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="does not split into 3 parts of 5 heads"):
