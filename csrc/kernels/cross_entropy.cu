@@ -274,14 +274,7 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_fp8_kernel(
         v[k] = to_f(from_f<T>(p * c.A - c.Bc - ((int64_t)(c0 + k) == t ? c.Dt : 0.f)));
       }
     }
-    uint2 packed;
-    uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
-      h[k] = to_fp8x2(v[2 * k] * s, v[2 * k + 1] * s, fmt);
-    }
-    *reinterpret_cast<uint2*>(q + c0) = packed;
+    *reinterpret_cast<uint2*>(q + c0) = to_codes<uint2>(v, s, fmt, m);
   }
   m = block_max_bits<kCeFusedThreads>(m);
   if (threadIdx.x == 0) record_amax(fp8_row, m);

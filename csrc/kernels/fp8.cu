@@ -267,13 +267,7 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
     if constexpr (Source::kSums) {
       if (partial != nullptr) tile_colsum(raw, partial + (t / tiles_k) * K, k0, K);  // uniform over the block
     }
-    uint4 packed;
-    uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
-      h[k] = to_fp8x2(v[2 * k] * s, v[2 * k + 1] * s, fmt);
-    }
+    const uint4 packed = to_codes<uint4>(v, s, fmt, m);
     if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
     if (out_t != nullptr) {
       // The buffer written here is read again only after the next tile's barrier, which every thread reaches

@@ -17,6 +17,20 @@ __device__ __forceinline__ uint16_t to_fp8x2(float a, float b, Fp8Format fmt) {
   return (uint16_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind);
 }
 
+// The codes of the N values v under scale s, packed in order into a Word of N bytes; m takes their absolute maximum
+template <typename Word, int N>
+__device__ __forceinline__ Word to_codes(const float (&v)[N], float s, Fp8Format fmt, unsigned& m) {
+  static_assert(sizeof(Word) == N && N % 2 == 0, "one byte per value");
+  Word packed;
+  uint16_t* h = reinterpret_cast<uint16_t*>(&packed);
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    m = max(m, max(abs_bits(v[2 * k]), abs_bits(v[2 * k + 1])));
+    h[k] = to_fp8x2(v[2 * k] * s, v[2 * k + 1] * s, fmt);
+  }
+  return packed;
+}
+
 // The block's maximum of m (THREADS threads), valid in thread 0; every thread must call it.
 template <int THREADS>
 __device__ __forceinline__ unsigned block_max_bits(unsigned m) {
