@@ -95,6 +95,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "transposed codes] (fp8.cpp)", py::arg("logits"), py::arg("target"), py::arg("epsilon"),
         py::arg("ignore_index"), py::arg("grad_scale"), py::arg("state"), py::arg("row"), py::arg("format"),
         py::arg("transposed"));
+  m.def("fp8_linear_forward_codes", guarded(&fp8_linear_forward_codes),
+        "an FP8 projection's forward outside autograd: [y, x's transposed codes, W's transposed codes, 1/s of x, "
+        "1/s of W] (fp8.cpp)", py::arg("x"), py::arg("weight"), py::arg("mode"), py::arg("state"), py::arg("slot"),
+        py::arg("keep_x"));
+  m.def("fp8_backward_gemms", guarded(&fp8_backward_gemms),
+        "an FP8 projection's input-gradient and weight-gradient GEMMs from the output gradient's codes: [dx, dW] "
+        "(fp8.cpp)", py::arg("gq"), py::arg("gq_t"), py::arg("sg"), py::arg("xq_t"), py::arg("wq_t"), py::arg("sx"),
+        py::arg("sw"), py::arg("dtype"), py::arg("dw_out") = none);
   m.def("fp8_roll", guarded(&fp8_roll), "each FP8 state row's amax into its history, and its next scale (fp8.cu)",
         py::arg("state"), py::arg("grad_format"));
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),

@@ -134,17 +134,21 @@ std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const
 // The backward's GEMMs from the output gradient's codes: dx = dY W from gq [M, N] (undefined: no dx), dW = dY^T x
 // from gq_t [N, Mp] (undefined: no dW)
 // wkey: the weight's data pointer, whose gradient goes into its sink when the CUDA-graph step names one
-// (weight_grads.cpp; dw is then undefined); nullptr: none.
+// (weight_grads.cpp; dw is then undefined); nullptr: none. dw_out (defined): dW is written there instead.
 std::pair<Tensor, Tensor> backward_gemms(const Tensor& gq, const Tensor& gq_t, const Tensor& sg, const Tensor& xq_t,
                                          const Tensor& wq_t, const Tensor& sx, const Tensor& sw,
-                                         at::ScalarType dx_dtype, at::ScalarType w_dtype, const void* wkey) {
+                                         at::ScalarType dx_dtype, at::ScalarType w_dtype, const void* wkey,
+                                         Tensor dw_out = Tensor()) {
   Tensor dx, dw;
   // dx = dY W: mat2 = W [N, K] column-major, i.e. the transposed codes viewed back
   if (gq.defined()) dx = at::_scaled_mm(gq, wq_t.t(), sg, sw, std::nullopt, std::nullopt, dx_dtype, true);
   // dW = dY^T x: mat1 = dY^T [N, Mp] row-major, mat2 = x [Mp, K] column-major (its transposed codes viewed back)
   if (gq_t.defined()) {
-    Tensor sink = weight_grad_overwrite_sink(wkey, gq_t.size(0), xq_t.size(0), w_dtype);
-    if (sink.defined())
+    Tensor sink =
+        dw_out.defined() ? Tensor() : weight_grad_overwrite_sink(wkey, gq_t.size(0), xq_t.size(0), w_dtype);
+    if (dw_out.defined())
+      dw = at::_scaled_mm_out(dw_out, gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, true);
+    else if (sink.defined())
       at::_scaled_mm_out(sink, gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, true);
     else
       dw = at::_scaled_mm(gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, true);
@@ -208,6 +212,33 @@ struct Fp8LinearNode : public torch::autograd::Function<Fp8LinearNode> {
 }  // namespace
 
 bool fp8_linear_shapes_ok(const Tensor& weight) { return weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0; }
+
+std::vector<Tensor> fp8_linear_forward_codes(const Tensor& x2, const Tensor& weight, int64_t mode,
+                                             const Tensor& state, int64_t slot, bool keep_x) {
+  const char* op = "fp8_linear_forward_codes";
+  LS_CHECK(x2.dim() == 2 && weight.dim() == 2 && x2.size(1) == weight.size(1), op, ": input ", x2.sizes(),
+           " does not match weight ", weight.sizes());
+  check_projection(op, x2, weight, std::nullopt);
+  const Use u = use_of(op, mode, state, slot, x2);
+  c10::cuda::CUDAGuard guard(x2.device());
+  return linear_forward(contig(x2), weight, std::nullopt, u, keep_x);
+}
+
+std::vector<Tensor> fp8_backward_gemms(const Tensor& gq, const OptTensor& gq_t, const Tensor& sg, const Tensor& xq_t,
+                                       const Tensor& wq_t, const Tensor& sx, const Tensor& sw, at::ScalarType dtype,
+                                       const OptTensor& dw_out) {
+  const char* op = "fp8_backward_gemms";
+  LS_CHECK(gq.is_cuda() && gq.dim() == 2 && wq_t.dim() == 2 && gq.size(1) == wq_t.size(1), op,
+           ": gradient codes ", gq.sizes(), " do not match the weight's transposed codes ", wq_t.sizes());
+  if (present(dw_out))
+    LS_CHECK(dw_out->scalar_type() == dtype && dw_out->is_contiguous() && dw_out->dim() == 2 &&
+                 dw_out->size(0) == wq_t.size(1) && dw_out->size(1) == wq_t.size(0),
+             op, ": dw_out must be a contiguous [", wq_t.size(1), ", ", wq_t.size(0), "] tensor of ", dtype);
+  c10::cuda::CUDAGuard guard(gq.device());
+  auto [dx, dw] = backward_gemms(gq, present(gq_t) ? *gq_t : Tensor(), sg, xq_t, wq_t, sx, sw, dtype, dtype, nullptr,
+                                 present(dw_out) ? *dw_out : Tensor());
+  return {dx, dw};
+}
 
 namespace {
 

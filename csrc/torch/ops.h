@@ -154,6 +154,15 @@ struct Fp8Args {
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,
                                  bool rowwise, bool transposed);
 void fp8_roll(const Tensor& state, int64_t grad_format);
+// An FP8 projection's GEMMs outside autograd (the CUDA-graph step's vocabulary head, ls_fairseq/ops/fp8.py), as the
+// FP8 linear node runs them. Forward of x2 [M, K] -> [y, x's transposed codes (undefined unless keep_x), W's
+// transposed codes, 1/s of x, 1/s of W]; backward from the output gradient's codes gq [M, N] and transposed codes
+// gq_t (undefined: no dW) -> [dx, dW], dW written into dw_out when given.
+std::vector<Tensor> fp8_linear_forward_codes(const Tensor& x2, const Tensor& weight, int64_t mode,
+                                             const Tensor& state, int64_t slot, bool keep_x);
+std::vector<Tensor> fp8_backward_gemms(const Tensor& gq, const OptTensor& gq_t, const Tensor& sg, const Tensor& xq_t,
+                                       const Tensor& wq_t, const Tensor& sx, const Tensor& sw, at::ScalarType dtype,
+                                       const OptTensor& dw_out);
 // The head's loss with an FP8 vocabulary projection: ls_cross_entropy_fwd_bwd whose gradient leaves only as FP8
 // codes under the delayed scale of one state row (fp8.cpp) -> (loss sum, nll sum, codes, transposed codes)
 std::vector<Tensor> ls_cross_entropy_fwd_bwd_fp8(const Tensor& logits, const Tensor& target, double epsilon,

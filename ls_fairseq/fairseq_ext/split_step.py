@@ -54,7 +54,8 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
 
     With the trainer's deferred step (``optimizer.backward_by``) and the projection's gradient attached,
     without autograd: the cross-entropy kernel writes the gradient of the scaled loss over the logits in
-    the pass that computes the loss (the logits are read once), and the two GEMMs of the projection's
+    the pass that computes the loss (the logits are read once; under --fp8 it writes the gradient's FP8 codes
+    instead, :func:`~ls_fairseq.ops.fp8.fp8_head_loss_backward`), and the two GEMMs of the projection's
     backward add into its gradient and write the features' rows. Otherwise :func:`head` and
     ``optimizer.backward(loss)``."""
     w = model.decoder.output_projection.weight

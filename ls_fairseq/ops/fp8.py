@@ -255,13 +255,9 @@ def fp8_head_forward(x: torch.Tensor, weight: torch.Tensor, use: Fp8Use, keep_x:
     x [rows, C], weight [vocab, C] with sizes that are multiples of 16. ``keep_x``: keep x's transposed codes for
     the weight's gradient. On CUDA the quantising kernels and torch's FP8 GEMM; elsewhere the fp32 reference of
     the same codes."""
-    mod = _fp8_extension(x, "fp8_quantize")
-    if mod is not None:
-        st, r = use.state, 3 * use.slot
-        xq, xq_t = mod.fp8_quantize(x, st, r, E4M3, use.current, True, keep_x)
-        wq, wq_t = mod.fp8_quantize(weight, st, r + 1, E4M3, use.current, True, True)
-        sx, sw = st[r, SCALE_INV], st[r + 1, SCALE_INV]
-        logits = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=True)
+    mod = _fp8_extension(x, "fp8_linear_forward_codes")
+    if mod is not None:  # the FP8 linear node's forward, without autograd
+        logits, xq_t, wq_t, sx, sw = mod.fp8_linear_forward_codes(x, weight, use.mode, use.state, use.slot, keep_x)
         return logits, Fp8HeadSaved(None, None, xq_t, wq_t, sx, sw)
     y, xq, wq, sx, sw = _reference_forward(x, weight, use)
     return y.to(x.dtype), Fp8HeadSaved(xq if keep_x else None, wq, None, None, sx, sw)
@@ -277,7 +273,7 @@ def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw
     if mod is not None:
         st, r = use.state, 3 * use.slot + 2
         gq, gq_t = mod.fp8_quantize(g, st, r, use.grad_format, use.current, True, need_dw)
-        return _head_gemms(gq, gq_t, st[r, SCALE_INV], saved, g.dtype, dw_out)
+        return _head_gemms(mod, gq, gq_t, st[r, SCALE_INV], saved, g.dtype, dw_out)
     dx, dw = _reference_grads(g, saved.xq, saved.wq, saved.sx, saved.sw, use, True, need_dw)
     dx, dw = dx.to(g.dtype), dw.to(g.dtype) if dw is not None else None
     if dw is not None and dw_out is not None:
@@ -313,19 +309,14 @@ def fp8_head_loss_backward(logits: torch.Tensor, target: torch.Tensor, epsilon: 
         loss, nll, gq, gq_t = mod.ls_cross_entropy_fwd_bwd_fp8(logits, target.long().contiguous(), float(epsilon),
                                                                int(ignore_index), gs, st, r, use.grad_format,
                                                                need_dw)
-        dx, dw = _head_gemms(gq, gq_t if need_dw else None, st[r, SCALE_INV], saved, logits.dtype, dw_out)
+        dx, dw = _head_gemms(mod, gq, gq_t if need_dw else None, st[r, SCALE_INV], saved, logits.dtype, dw_out)
     return loss, nll, dx, dw
 
 
-def _head_gemms(gq, gq_t, sg, saved: Fp8HeadSaved, dtype, dw_out):
-    """The head's input-gradient and weight-gradient FP8 GEMMs from the codes of the logits' gradient (gq_t None:
-    no weight gradient)."""
-    dx = torch._scaled_mm(gq, saved.wq_t.t(), scale_a=sg, scale_b=saved.sw, out_dtype=dtype, use_fast_accum=True)
-    dw = None
-    if gq_t is not None:
-        out = {} if dw_out is None else {"out": dw_out}
-        dw = torch._scaled_mm(gq_t, saved.xq_t.t(), scale_a=sg, scale_b=saved.sx, out_dtype=dtype,
-                              use_fast_accum=True, **out)
+def _head_gemms(mod, gq, gq_t, sg, saved: Fp8HeadSaved, dtype, dw_out):
+    """The head's input-gradient and weight-gradient FP8 GEMMs (the FP8 linear node's) from the codes of the logits'
+    gradient (gq_t None: no weight gradient)."""
+    dx, dw = mod.fp8_backward_gemms(gq, gq_t, sg, saved.xq_t, saved.wq_t, saved.sx, saved.sw, dtype, dw_out)
     return dx, dw
 
 
