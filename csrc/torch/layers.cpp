@@ -183,13 +183,20 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
   return block_end(ag_bias_dropout_residual(h, bias, residual, a.p.dropout)[0], a, w, b, eps);
 }
 
+// h W^T split into n parts of heads, the bias added as the heads are split (its gradient summed as they are merged);
+// in FP8 one node whose output gradient is quantised from the heads' gradients (as ls_fairseq/ops/linear.py's
+// linear_split)
+std::vector<Tensor> linear_split(const Tensor& h, const Tensor& weight, const Tensor& bias, int64_t n,
+                                 int64_t num_heads, const Fp8Args& f) {
+  return f.mode > 0 && fp8_linear_shapes_ok(weight)
+             ? ag_fp8_linear_split(h, weight, bias, n, num_heads, f.mode, f.state, f.slot)
+             : ag_split_heads(ag_linear_mode(h, weight, std::nullopt, f), bias, n, num_heads);
+}
+
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
                             double eps, const LayerArgs& a, const Packed* vl) {
   auto [h, residual] = block_input(x, a, w[0], w[1], eps);
-  const Fp8Args f = a.fp8.at(0);
-  auto parts = f.mode > 0 && fp8_linear_shapes_ok(w[2])  // FP8: the projection's gradient quantised from the heads'
-                   ? ag_fp8_linear_split(h, w[2], w[3], 3, a.num_heads, f.mode, f.state, f.slot)
-                   : ag_split_heads(ag_linear_mode(h, w[2], std::nullopt, f), w[3], 3, a.num_heads);
+  auto parts = linear_split(h, w[2], w[3], 3, a.num_heads, a.fp8.at(0));
   Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len, vl);
   h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8.at(1));
   return block_output(h, w[5], residual, a, w[0], w[1], eps);
@@ -220,10 +227,7 @@ Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, cons
 Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, const OptTensor& attend,
                              const std::vector<Tensor>& w, double eps, const LayerArgs& a, const Packed* vl) {
   auto [h, residual] = block_input(x, a, w[12], w[13], eps);
-  const Fp8Args f = a.fp8.at(4);  // the bias added as the heads are split, its gradient summed as they are merged
-  Tensor q = f.mode > 0 && fp8_linear_shapes_ok(w[14])
-                 ? ag_fp8_linear_split(h, w[14], w[15], 1, a.num_heads, f.mode, f.state, f.slot)[0]
-                 : ag_split_heads(ag_linear_mode(h, w[14], std::nullopt, f), w[15], 1, a.num_heads)[0];
+  Tensor q = linear_split(h, w[14], w[15], 1, a.num_heads, a.fp8.at(4))[0];
   Tensor out = attention(q, k, v, attend, false, a.p.cross_attn, a.short_len, vl);
   h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, a.fp8.at(5));
   return block_output(h, w[17], residual, a, w[12], w[13], eps);
