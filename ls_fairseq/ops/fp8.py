@@ -273,7 +273,9 @@ def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw
     if mod is not None:
         st, r = use.state, 3 * use.slot + 2
         gq, gq_t = mod.fp8_quantize(g, st, r, use.grad_format, use.current, True, need_dw)
-        return _head_gemms(mod, gq, gq_t, st[r, SCALE_INV], saved, g.dtype, dw_out)
+        # the FP8 linear node's backward GEMMs
+        return tuple(mod.fp8_backward_gemms(gq, gq_t, st[r, SCALE_INV], saved.xq_t, saved.wq_t, saved.sx, saved.sw,
+                                            g.dtype, dw_out))
     dx, dw = _reference_grads(g, saved.xq, saved.wq, saved.sx, saved.sw, use, True, need_dw)
     dx, dw = dx.to(g.dtype), dw.to(g.dtype) if dw is not None else None
     if dw is not None and dw_out is not None:
@@ -309,15 +311,9 @@ def fp8_head_loss_backward(logits: torch.Tensor, target: torch.Tensor, epsilon: 
         loss, nll, gq, gq_t = mod.ls_cross_entropy_fwd_bwd_fp8(logits, target.long().contiguous(), float(epsilon),
                                                                int(ignore_index), gs, st, r, use.grad_format,
                                                                need_dw)
-        dx, dw = _head_gemms(mod, gq, gq_t if need_dw else None, st[r, SCALE_INV], saved, logits.dtype, dw_out)
+        dx, dw = mod.fp8_backward_gemms(gq, gq_t, st[r, SCALE_INV], saved.xq_t, saved.wq_t, saved.sx, saved.sw,
+                                        logits.dtype, dw_out)
     return loss, nll, dx, dw
-
-
-def _head_gemms(mod, gq, gq_t, sg, saved: Fp8HeadSaved, dtype, dw_out):
-    """The head's input-gradient and weight-gradient FP8 GEMMs (the FP8 linear node's) from the codes of the logits'
-    gradient (gq_t None: no weight gradient)."""
-    dx, dw = mod.fp8_backward_gemms(gq, gq_t, sg, saved.xq_t, saved.wq_t, saved.sx, saved.sw, dtype, dw_out)
-    return dx, dw
 
 
 def _fp8_extension(x, entry: str):
