@@ -147,6 +147,31 @@ __device__ __forceinline__ void ce_grad_row(const T* x, T* dx, int V, int64_t t,
   }
 }
 
+// The fused kernels' prologue of a row that is not ignored: the forward's pass, then in thread 0 lse, the row's
+// (loss, nll) into losses [2, N] and the backward's coefficients with g_nll = 0 (g_loss null: 1), broadcast to the
+// block with lse. x[t] is read before the barrier, so before a second pass that overwrites the logits.
+template <typename T, bool VEC>
+__device__ __forceinline__ CeGrad ce_fused_prologue(const T* x, int64_t t, int V, float eps, const float* g_loss,
+                                                    float* losses, int64_t row, int64_t N, float& lse) {
+  MaxSum tot;
+  float tsx;
+  ce_row_stats<T, VEC, kCeFusedThreads>(x, V, tot, tsx);
+  __shared__ float sh_lse;
+  __shared__ CeGrad sh_c;
+  if (threadIdx.x == 0) {
+    const float l = tot.m + __logf(tot.s);
+    float loss, nll;
+    ce_row_loss(x, t, V, eps, l, tsx, loss, nll);
+    losses[row] = loss;
+    losses[N + row] = nll;
+    sh_lse = l;
+    sh_c = ce_grad_coeffs(g_loss != nullptr ? *g_loss : 1.f, 0.f, eps, V);
+  }
+  __syncthreads();
+  lse = sh_lse;
+  return sh_c;
+}
+
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kCeThreads) ls_ce_fwd_kernel(const T* __restrict__ logits,
                                                                const int64_t* __restrict__ target,
@@ -205,22 +230,9 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_kernel(T* logit
     ce_grad_row<T, VEC, kCeFusedThreads>(x, x, V, t, true, 0.f, CeGrad{0.f, 0.f, 0.f});
     return;
   }
-  MaxSum tot;
-  float tsx;
-  ce_row_stats<T, VEC, kCeFusedThreads>(x, V, tot, tsx);
-  __shared__ float sh_lse;
-  __shared__ CeGrad sh_c;
-  if (threadIdx.x == 0) {
-    const float lse = tot.m + __logf(tot.s);
-    float loss, nll;
-    ce_row_loss(x, t, V, eps, lse, tsx, loss, nll);  // reads x[t] before the barrier below, so before pass 2
-    losses[row] = loss;
-    losses[N + row] = nll;
-    sh_lse = lse;
-    sh_c = ce_grad_coeffs(g_loss != nullptr ? *g_loss : 1.f, 0.f, eps, V);
-  }
-  __syncthreads();
-  ce_grad_row<T, VEC, kCeFusedThreads>(x, x, V, t, false, sh_lse, sh_c);
+  float lse;
+  const CeGrad c = ce_fused_prologue<T, VEC>(x, t, V, eps, g_loss, losses, row, N, lse);
+  ce_grad_row<T, VEC, kCeFusedThreads>(x, x, V, t, false, lse, c);
 }
 
 // The fused forward + backward for an FP8 vocabulary projection: the gradient is written only as FP8 codes
@@ -236,24 +248,12 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_fp8_kernel(
   const T* x = logits + row * V;
   const int64_t t = target[row];
   const bool ignored = t == ignore_index;  // the same for the whole block
-  __shared__ float sh_lse;
-  __shared__ CeGrad sh_c;
+  float lse = 0.f;
+  CeGrad c{0.f, 0.f, 0.f};
   if (ignored) {
     if (threadIdx.x == 0) { losses[row] = 0.f; losses[N + row] = 0.f; }
   } else {
-    MaxSum tot;
-    float tsx;
-    ce_row_stats<T, true, kCeFusedThreads>(x, V, tot, tsx);
-    if (threadIdx.x == 0) {
-      const float lse = tot.m + __logf(tot.s);
-      float loss, nll;
-      ce_row_loss(x, t, V, eps, lse, tsx, loss, nll);
-      losses[row] = loss;
-      losses[N + row] = nll;
-      sh_lse = lse;
-      sh_c = ce_grad_coeffs(g_loss != nullptr ? *g_loss : 1.f, 0.f, eps, V);
-    }
-    __syncthreads();
+    c = ce_fused_prologue<T, true>(x, t, V, eps, g_loss, losses, row, N, lse);
   }
   const float s = fp8_row[kFp8Scale];
   unsigned m = 0u;
@@ -266,8 +266,6 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_fp8_kernel(
       for (int k = 0; k < 8; ++k) v[k] = 0.f;
     } else {
       load8(x + c0, v);
-      const float lse = sh_lse;
-      const CeGrad c = sh_c;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float p = __expf(v[k] - lse);

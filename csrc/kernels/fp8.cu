@@ -237,6 +237,23 @@ __device__ __forceinline__ void tile_colsum(float (&raw)[16], float* __restrict_
 // 4 chunks) hit distinct banks. Rows x .. x + 15 with x a multiple of 16 share the offset.
 __device__ __forceinline__ int swizzled_chunk(int x, int q) { return ((q ^ (x >> 4)) & 3) * 16; }
 
+// This thread's 16 codes (row r = threadIdx.x / 4, columns c .. c + 15 of the tile at (m0, k0)) into the transposed
+// codes out_t [K, Mp], through tb: one of the kernel's two shared tiles, alternated per tile so that one barrier per
+// tile suffices (tb is written again only after the next tile's barrier, which every thread reaches after its read).
+__device__ __forceinline__ void store_transposed(const uint4& packed, uint8_t* tb, int64_t m0, int64_t k0, int64_t K,
+                                                 int64_t Mp, uint8_t* __restrict__ out_t) {
+  const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(&packed);
+  const int at = swizzled_chunk(c, r >> 4) + (r & 15);  // row r's byte in transposed rows c .. c + 15
+#pragma unroll
+  for (int k = 0; k < 16; ++k) tb[(c + k) * kTile + at] = b[k];
+  __syncthreads();
+  const int64_t jt = k0 + r, it = m0 + c;  // transposed: row jt of out_t, its columns it .. it + 15
+  if (jt < K && it < Mp)
+    *reinterpret_cast<uint4*>(out_t + jt * Mp + it) =
+        *reinterpret_cast<const uint4*>(tb + r * kTile + swizzled_chunk(r, c >> 4));
+}
+
 // partial (Source::kSums): [tiles of 64 rows, K] floats, each tile row's column sums of the source's raw values
 template <typename Source>
 __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt, bool current,
@@ -269,20 +286,7 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
     }
     const uint4 packed = to_codes<uint4>(v, s, fmt, m);
     if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
-    if (out_t != nullptr) {
-      // The buffer written here is read again only after the next tile's barrier, which every thread reaches
-      // after its read below.
-      const uint8_t* b = reinterpret_cast<const uint8_t*>(&packed);
-      uint8_t* tb = tile_t[buf];
-      const int at = swizzled_chunk(c, r >> 4) + (r & 15);  // row r's byte in transposed rows c .. c + 15
-#pragma unroll
-      for (int k = 0; k < 16; ++k) tb[(c + k) * kTile + at] = b[k];
-      __syncthreads();
-      const int64_t jt = k0 + r, it = m0 + c;  // transposed: row jt of out_t, its columns it .. it + 15
-      if (jt < K && it < Mp)
-        *reinterpret_cast<uint4*>(out_t + jt * Mp + it) =
-            *reinterpret_cast<const uint4*>(tb + r * kTile + swizzled_chunk(r, c >> 4));
-    }
+    if (out_t != nullptr) store_transposed(packed, tile_t[buf], m0, k0, K, Mp, out_t);
   }
   if (!current) {
     m = block_max_bits<kThreads>(m);
@@ -291,7 +295,7 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
 }
 
 // The transposed codes [K, Mp] of row-major codes q [M, K] (rows M .. Mp - 1 of the transpose zero), through the
-// cast's swizzled shared tile: each thread reads 16 codes of a row as one word and writes 16 of a transposed row.
+// cast's store_transposed: each thread reads 16 codes of a row as one word and writes 16 of a transposed row.
 __global__ void transpose_codes_kernel(const uint8_t* __restrict__ q, int64_t M, int64_t K,
                                        uint8_t* __restrict__ q_t, int64_t Mp) {
   __shared__ __align__(16) uint8_t tile_t[2][kTile * kTile];
@@ -303,16 +307,7 @@ __global__ void transpose_codes_kernel(const uint8_t* __restrict__ q, int64_t M,
     const int64_t i = m0 + r, j = k0 + c;
     uint4 packed = make_uint4(0u, 0u, 0u, 0u);
     if (i < M && j < K) packed = *reinterpret_cast<const uint4*>(q + i * K + j);
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(&packed);
-    uint8_t* tb = tile_t[buf];
-    const int at = swizzled_chunk(c, r >> 4) + (r & 15);
-#pragma unroll
-    for (int k = 0; k < 16; ++k) tb[(c + k) * kTile + at] = b[k];
-    __syncthreads();
-    const int64_t jt = k0 + r, it = m0 + c;
-    if (jt < K && it < Mp)
-      *reinterpret_cast<uint4*>(q_t + jt * Mp + it) =
-          *reinterpret_cast<const uint4*>(tb + r * kTile + swizzled_chunk(r, c >> 4));
+    store_transposed(packed, tile_t[buf], m0, k0, K, Mp, q_t);
   }
 }
 
@@ -341,12 +336,12 @@ int blocks_for(int64_t work, int64_t per_block) {
 // rows of 64 x 64 tiles over the [max(M, Mp), K] tensor the cast walks
 int64_t tile_rows(int64_t M, int64_t Mp) { return ((Mp > M ? Mp : M) + kTile - 1) / kTile; }
 
-// the cast's grid: one tile per block and step, no more blocks than the GPU holds at once with this source's
-// registers (one wave)
-template <typename Source>
-int cast_blocks(int64_t M, int64_t K, int64_t Mp) {
+// the grid of a tile kernel (cast_kernel, transpose_codes_kernel): one tile per block and step, no more blocks than
+// the GPU holds at once with its registers (one wave)
+template <auto Kernel>
+int tile_blocks(int64_t M, int64_t K, int64_t Mp) {
   const int64_t tiles = tile_rows(M, Mp) * ((K + kTile - 1) / kTile);
-  const int64_t resident = resident_blocks<cast_kernel<Source>, kThreads>();
+  const int64_t resident = resident_blocks<Kernel, kThreads>();
   return blocks_for(tiles < resident ? tiles : resident, 1);
 }
 
@@ -367,7 +362,7 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
                            static_cast<const T*>(x), M * K, reinterpret_cast<unsigned*>(row + kFp8Amax)));
     check_launch("fp8_amax", stream);
   }
-  LS_DISPATCH(dt, T, cast_kernel<<<cast_blocks<PlainSource<T>>(M, K, Mp), kThreads, 0, stream>>>(
+  LS_DISPATCH(dt, T, cast_kernel<<<tile_blocks<cast_kernel<PlainSource<T>>>(M, K, Mp), kThreads, 0, stream>>>(
                          PlainSource<T>{static_cast<const T*>(x), K}, M, K, row, fmt, current,
                          static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp));
   check_launch("fp8_cast", stream);
@@ -375,9 +370,7 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
 
 void fp8_transpose_codes(const void* q, int64_t M, int64_t K, void* q_t, int64_t Mp, cudaStream_t stream) {
   if (K <= 0 || Mp <= 0) return;
-  const int64_t tiles = tile_rows(M, Mp) * ((K + kTile - 1) / kTile);
-  const int64_t resident = resident_blocks<transpose_codes_kernel, kThreads>();
-  transpose_codes_kernel<<<blocks_for(tiles < resident ? tiles : resident, 1), kThreads, 0, stream>>>(
+  transpose_codes_kernel<<<tile_blocks<transpose_codes_kernel>(M, K, Mp), kThreads, 0, stream>>>(
       static_cast<const uint8_t*>(q), M, K, static_cast<uint8_t*>(q_t), Mp);
   check_launch("fp8_transpose_codes", stream);
 }
@@ -389,9 +382,8 @@ void launch_act_cast(const void* x, const void* bias, uint8_t* keep, uint8_t* po
   const ActDropoutSource<T, A, DRAW> src{static_cast<const T*>(x), static_cast<const T*>(bias), keep, positive, K,
                                          p, dropout_threshold(p), rng};
   using Source = std::remove_cv_t<decltype(src)>;
-  cast_kernel<<<cast_blocks<Source>(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, Fp8Format::E4M3, false,
-                                                                      static_cast<uint8_t*>(out),
-                                                                      static_cast<uint8_t*>(out_t), Mp);
+  cast_kernel<<<tile_blocks<cast_kernel<Source>>(M, K, Mp), kThreads, 0, stream>>>(
+      src, M, K, row, Fp8Format::E4M3, false, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp);
 }
 
 template <typename T, bool DRAW>
@@ -425,9 +417,8 @@ template <typename T, typename Source>
 void launch_summing_cast(const Source& src, int64_t M, int64_t K, float* row, Fp8Format fmt, void* out, void* out_t,
                          int64_t Mp, void* dbias, float* partial, cudaStream_t stream, const char* name) {
   float* sums = dbias != nullptr ? partial : nullptr;
-  cast_kernel<<<cast_blocks<Source>(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false,
-                                                                      static_cast<uint8_t*>(out),
-                                                                      static_cast<uint8_t*>(out_t), Mp, sums);
+  cast_kernel<<<tile_blocks<cast_kernel<Source>>(M, K, Mp), kThreads, 0, stream>>>(
+      src, M, K, row, fmt, false, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp, sums);
   check_launch(name, stream);
   if (dbias == nullptr) return;
   T* const outs[1] = {static_cast<T*>(dbias)};

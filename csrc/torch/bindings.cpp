@@ -111,6 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "differentiable x W^T (+ b) split into n parts of heads [B, H, T, D], the projection in FP8, as one node "
         "(fp8.cpp)", py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"),
         py::arg("mode"), py::arg("state"), py::arg("slot"));
+  m.def("ag_fp8_linear_residual", guarded(&ag_fp8_linear_residual),
+        "differentiable residual + dropout(x W^T + b), the projection in FP8, as one node: [out, mask] (fp8.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("mode"),
+        py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_ffn", guarded(&ag_fp8_ffn),
         "differentiable residual + dropout(dropout(act(x W1^T + b1)) W2^T + b2), both projections in FP8 as one "
         "node: [out, activation mask, output mask] (fp8.cpp)",

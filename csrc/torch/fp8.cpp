@@ -524,6 +524,81 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
 
 namespace {
 
+// An attention block's output projection and the block's residual dropout as one FP8 node: out = residual +
+// dropout(x W^T + b), so that the projection's output gradient leaves the dropout's backward as codes (with b's
+// gradient summed on the way) and is neither stored in the model's precision nor quantised by a pass of its own,
+// as the FFN node's second projection. The forward is the chain ag_fp8_linear -> ag_bias_dropout_residual would
+// record, and every value but the bias gradient (the same sum in another order) equals that chain's bit for bit.
+struct Fp8LinearResidualNode : public torch::autograd::Function<Fp8LinearResidualNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                               const Tensor& residual, double p, int64_t mode, const Tensor& state, int64_t slot) {
+    const Use u = use_of("fp8_linear_residual", mode, state, slot, x);
+    Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
+    auto f = linear_forward(x2, weight, std::nullopt, u, weight.requires_grad());  // [y2, xq_t, wq_t, sx, sw]
+    auto o = bias_dropout_residual_fwd(f[0], bias, contig(residual.reshape({-1, weight.size(0)})), p);
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({f[1], f[2], f[3], f[4], state, o[1]});
+    ctx->mark_non_differentiable({o[1]});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["hb"] = present(bias);
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["mode"] = mode;
+    ctx->saved_data["slot"] = slot;
+    ctx->saved_data["wkey"] = key_value(weight);
+    return {at::_unsafe_view(o[0], sizes), o[1]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const char* op = "fp8_linear_residual backward";
+    const Tensor& g = grads[0];
+    if (!g.defined()) return variable_list(8);
+    auto s = ctx->get_saved_variables();
+    const Tensor &xq_t = s[0], &wq_t = s[1], &sx = s[2], &sw = s[3], &state = s[4], &mask = s[5];
+    const Use u = use_of(op, ctx->saved_data["mode"].toInt(), state, ctx->saved_data["slot"].toInt(), g);
+    const double p = ctx->saved_data["p"].toDouble();
+    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) && xq_t.defined();
+    const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2);
+    Tensor g2 = contig(g.reshape({-1, g.size(-1)}));
+    // the projection's output gradient: the residual dropout's backward of g, as codes (row-major codes also when
+    // only the bias gradient is asked for: the kernel writes at least one layout)
+    auto c = act_grad_codes(op, g2, std::nullopt, std::nullopt, p > 0 ? OptTensor(mask) : std::nullopt, p, "none", u,
+                            need_dx || !need_dw, need_dw, need_db);
+    auto [dx2, dw] = backward_gemms(need_dx ? c[0] : Tensor(), c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx,
+                                    sw, g2.scalar_type(), g2.scalar_type(), key_of(ctx, "wkey"));
+    variable_list out(8);
+    out[0] = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
+    out[1] = dw;
+    out[2] = need_db ? c[2] : Tensor();
+    out[3] = ctx->needs_input_grad(3) ? g : Tensor();  // the residual's gradient: g itself
+    return out;
+  }
+};
+
+}  // namespace
+
+std::vector<Tensor> ag_fp8_linear_residual(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                           const Tensor& residual, double p, int64_t mode, const OptTensor& state,
+                                           int64_t slot) {
+  const char* op = "fp8_linear_residual";
+  LS_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
+           " does not match weight ", weight.sizes());
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = weight.size(0);
+  LS_CHECK(residual.sizes() == at::IntArrayRef(out_sizes) && residual.scalar_type() == x.scalar_type() &&
+               residual.device() == x.device(),
+           op, ": residual must be ", at::IntArrayRef(out_sizes), " of ", x.scalar_type(), " on ", x.device().str(),
+           ", got ", residual.sizes(), " of ", residual.scalar_type());
+  check_projection(op, x, weight, bias);
+  check_p(op, p);
+  const Use u = use_of(op, mode, state, slot, x);
+  if (x.numel() == 0) return ag_bias_dropout_residual(ag_linear(x, weight, std::nullopt), bias, residual, p);
+  return Fp8LinearResidualNode::apply(x, weight, bias, residual, p, mode, u.state, slot);
+}
+
+namespace {
+
 // The attention's input projection and its head split as one FP8 node: x W^T (+ bias) -> n parts [B, H, T, D] stored
 // token-major, so that the output gradient leaves the heads' gradients as codes (with the bias gradient summed on the
 // way) and is never merged in the model's precision nor quantised by a pass of its own. The forward is the chain

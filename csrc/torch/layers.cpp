@@ -193,13 +193,23 @@ std::vector<Tensor> linear_split(const Tensor& h, const Tensor& weight, const Te
              : ag_split_heads(ag_linear_mode(h, weight, std::nullopt, f), bias, n, num_heads);
 }
 
+// An attention block's end: residual + dropout(h W^T + bias), then the layer norm of a post-LN block; in FP8 one
+// node whose output gradient leaves the dropout's backward as codes (as ls_fairseq/ops/linear.py's
+// linear_dropout_residual)
+Tensor projection_output(const Tensor& h, const Tensor& weight, const Tensor& bias, const Tensor& residual,
+                         const Fp8Args& f, const LayerArgs& a, const Tensor& w, const Tensor& b, double eps) {
+  if (f.mode > 0 && fp8_linear_shapes_ok(weight))
+    return block_end(ag_fp8_linear_residual(h, weight, bias, residual, a.p.dropout, f.mode, f.state, f.slot)[0], a,
+                     w, b, eps);
+  return block_output(ag_linear_mode(h, weight, std::nullopt, f), bias, residual, a, w, b, eps);
+}
+
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
                             double eps, const LayerArgs& a, const Packed* vl) {
   auto [h, residual] = block_input(x, a, w[0], w[1], eps);
   auto parts = linear_split(h, w[2], w[3], 3, a.num_heads, a.fp8.at(0));
   Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len, vl);
-  h = ag_linear_mode(merge_heads(out), w[4], std::nullopt, a.fp8.at(1));
-  return block_output(h, w[5], residual, a, w[0], w[1], eps);
+  return projection_output(merge_heads(out), w[4], w[5], residual, a.fp8.at(1), a, w[0], w[1], eps);
 }
 
 Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
@@ -229,8 +239,7 @@ Tensor cross_attention_block(const Tensor& x, const Tensor& k, const Tensor& v, 
   auto [h, residual] = block_input(x, a, w[12], w[13], eps);
   Tensor q = linear_split(h, w[14], w[15], 1, a.num_heads, a.fp8.at(4))[0];
   Tensor out = attention(q, k, v, attend, false, a.p.cross_attn, a.short_len, vl);
-  h = ag_linear_mode(merge_heads(out), w[16], std::nullopt, a.fp8.at(5));
-  return block_output(h, w[17], residual, a, w[12], w[13], eps);
+  return projection_output(merge_heads(out), w[16], w[17], residual, a.fp8.at(5), a, w[12], w[13], eps);
 }
 
 LayerArgs layer_args(int64_t num_heads, const Dropouts& p, bool pre, int64_t short_len, const Fp8Args& fp8,

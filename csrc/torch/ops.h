@@ -209,6 +209,13 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
                                double p_out, int64_t mode, const OptTensor& state, int64_t slot1, int64_t slot2,
                                bool keep_codes);
 
+// An attention block's output projection and residual dropout as one FP8 node: residual + dropout_p(x W^T + b) ->
+// [out, mask] (mode, state and slot as in ag_fp8_linear); the output gradient reaching the projection leaves the
+// dropout's backward only as codes (fp8.cpp).
+std::vector<Tensor> ag_fp8_linear_residual(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                           const Tensor& residual, double p, int64_t mode, const OptTensor& state,
+                                           int64_t slot);
+
 // The attention's input projection and head split as one FP8 node: x [B, T, C] W^T (+ bias) -> n parts [B, H, T, D]
 // (as ag_split_heads makes them); the output gradient is quantised straight from the heads' gradients (fp8.cpp).
 std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,

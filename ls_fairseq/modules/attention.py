@@ -67,6 +67,11 @@ class SelfAttention(nn.Module):
         and values are appended and stored back. ``varlen`` (:class:`ls_fairseq.ops.attention.Varlen`):
         x [1, N, C] holds packed sequences (no padding).
         """
+        return ops.linear(self.attend(x, key_padding_mask, cache, varlen), self.out_proj.weight, fp8=fp8_now(self, 1))
+
+    def attend(self, x, key_padding_mask=None, cache: Optional[Dict[str, torch.Tensor]] = None, varlen=None):
+        """The heads' outputs merged, [B, T, C]: what out_proj projects (the layers project it together with the
+        block's residual dropout, ops.linear_dropout_residual)."""
         q, k, v = ops.linear_split(x, self.in_proj_weight, self.in_proj_bias, 3, self.num_heads, fp8_now(self, 0))
         if cache is not None:
             if "prev_key" in cache:
@@ -75,7 +80,7 @@ class SelfAttention(nn.Module):
             cache["prev_key"], cache["prev_value"] = k, v
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
                             p=self.attention_dropout, training=self.training, varlen=varlen)
-        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))
+        return ops.merge_heads(out)
 
 
 class CrossAttention(nn.Module):
@@ -95,8 +100,12 @@ class CrossAttention(nn.Module):
     def forward(self, x, k, v, key_padding_mask=None, varlen=None):
         """x [B, T, C]; k, v [B, H, S, D] -> output before out_proj's bias [B, T, C]. ``varlen``: packed
         sequences, x [1, Nt, C] and k, v [1, H, Ns, D]."""
+        return ops.linear(self.attend(x, k, v, key_padding_mask, varlen), self.out_proj.weight, fp8=fp8_now(self, 1))
+
+    def attend(self, x, k, v, key_padding_mask=None, varlen=None):
+        """The heads' outputs merged, [B, T, C]: what out_proj projects."""
         # the bias added as the heads are split, its gradient summed as they are merged (as in SelfAttention)
         q, = ops.linear_split(x, self.q_proj.weight, self.q_proj.bias, 1, self.num_heads, fp8_now(self, 0))
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training, varlen=varlen)
-        return ops.linear(ops.merge_heads(out), self.out_proj.weight, fp8=fp8_now(self, 1))
+        return ops.merge_heads(out)

@@ -67,14 +67,14 @@ class DecoderLayer(EncoderLayer):
             return mod.decoder_layer_fwd(*args, varlen.cu_q, varlen.max_q, varlen.cu_k, varlen.max_k)
         self_varlen = None if varlen is None else varlen._replace(cu_k=varlen.cu_q, max_k=varlen.max_q)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = self.self_attn(h, key_padding_mask=self_attn_padding_mask, cache=cache, varlen=self_varlen)
-        x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
+        x = self.attention_end(self.self_attn, self.self_attn.attend(h, self_attn_padding_mask, cache, self_varlen),
+                               residual)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
 
         h, residual = self.encoder_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = self.encoder_attn(h, cross_k, cross_v, key_padding_mask=encoder_padding_mask, varlen=varlen)
-        x = ops.bias_dropout_residual(h, self.encoder_attn.out_proj.bias, residual, self.dropout, self.training)
+        x = self.attention_end(self.encoder_attn,
+                               self.encoder_attn.attend(h, cross_k, cross_v, encoder_padding_mask, varlen), residual)
         if not self.normalize_before:
             x = self.encoder_attn_layer_norm(x)
         return self.ffn(x)

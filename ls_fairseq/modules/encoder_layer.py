@@ -57,11 +57,15 @@ class EncoderLayer(nn.Module):
                 return mod.encoder_layer_fwd(x, key_padding_mask, *self.cpp_args())
             return mod.encoder_layer_fwd(x, key_padding_mask, *self.cpp_args(), varlen.cu_q, varlen.max_q)
         h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
-        h = self.self_attn(h, key_padding_mask=key_padding_mask, varlen=varlen)
-        x = ops.bias_dropout_residual(h, self.self_attn.out_proj.bias, residual, self.dropout, self.training)
+        x = self.attention_end(self.self_attn, self.self_attn.attend(h, key_padding_mask, varlen=varlen), residual)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
         return self.ffn(x)
+
+    def attention_end(self, attn, h, residual):
+        """residual + dropout(attn.out_proj(h)) for the merged heads h of attention module ``attn``."""
+        return ops.linear_dropout_residual(h, attn.out_proj.weight, attn.out_proj.bias, residual, self.dropout,
+                                           self.training, fp8_now(attn, 1))
 
     def cpp_module(self, x):
         """The extension when this layer's forward on ``x`` runs as one C++ call, else None."""

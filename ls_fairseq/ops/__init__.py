@@ -8,10 +8,10 @@ from ls_fairseq.ops.embedding import embedding
 from ls_fairseq.ops.attention import qkv_split, kv_split, split_heads, merge_heads, attention
 from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_fairseq.ops.adam import adam_, grad_norm
-from ls_fairseq.ops.linear import linear, linear_split
+from ls_fairseq.ops.linear import linear, linear_dropout_residual, linear_split
 
 __all__ = [
     "layer_norm", "add_layer_norm", "pre_layer_norm", "bias_dropout_residual", "bias_act_dropout", "bias_act_linear", "embedding",
     "qkv_split", "kv_split", "split_heads", "merge_heads", "attention", "label_smoothed_cross_entropy", "adam_", "grad_norm",
-    "linear", "linear_split",
+    "linear", "linear_dropout_residual", "linear_split",
 ]

@@ -343,6 +343,15 @@ def fp8_split_node(x, weight, use: Optional[Fp8Use]):
     return _fp8_extension(x, "ag_fp8_linear_split")
 
 
+def fp8_residual_node(x, weight, use: Optional[Fp8Use]):
+    """The extension when an attention block's output projection and residual dropout run as one FP8 node
+    (ls_fairseq._C.ag_fp8_linear_residual), else None: the projection in FP8, a weight of multiples of 16, a
+    bf16/fp16 CUDA input. The C++ layers take the same node under the same conditions (csrc/torch/layers.cpp)."""
+    if use is None or not shapes_ok(weight) or x.dim() < 2:
+        return None
+    return _fp8_extension(x, "ag_fp8_linear_residual")
+
+
 def fp8_ffn_node(x, w1, w2, use1: Optional[Fp8Use], use2: Optional[Fp8Use]):
     """The extension when an FFN's two projections run as one FP8 node (ls_fairseq._C.ag_fp8_ffn), else None: both
     in FP8 under one mode, weights of multiples of 16, a bf16/fp16 CUDA input. The C++ layers take the same node

@@ -12,6 +12,9 @@ FP8 GEMMs where the weight's sizes allow it (multiples of 16).
 
 linear_split(x, weight, bias, n, num_heads, fp8): the attention's input projections, x W^T split into n parts of
 heads with the bias added in the split.
+
+linear_dropout_residual(x, weight, bias, residual, p, training, fp8): an attention block's output projection and its
+end, residual + dropout(x W^T + b).
 """
 
 from typing import Optional
@@ -22,7 +25,8 @@ import torch.nn.functional as F
 from ls_fairseq import _ext
 from ls_fairseq.ops._dispatch import _autocast_on, cpp_nodes
 from ls_fairseq.ops.attention import split_heads
-from ls_fairseq.ops.fp8 import Fp8Use, fp8_linear, fp8_split_node, shapes_ok
+from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
+from ls_fairseq.ops.fp8 import Fp8Use, fp8_linear, fp8_residual_node, fp8_split_node, shapes_ok
 
 
 def linear(x, weight, bias=None, fp8: Optional[Fp8Use] = None):
@@ -45,3 +49,15 @@ def linear_split(x, weight, bias, n: int, num_heads: int, fp8: Optional[Fp8Use] 
     if node is not None:
         return list(node.ag_fp8_linear_split(x, weight, bias, n, num_heads, fp8.mode, fp8.state, fp8.slot))
     return list(split_heads(linear(x, weight, fp8=fp8), bias, n, num_heads))
+
+
+def linear_dropout_residual(x, weight, bias, residual, p: float = 0.0, training: bool = True,
+                            fp8: Optional[Fp8Use] = None):
+    """residual + dropout(x W^T + b): an attention block's output projection and the block's end. Where the FP8 node
+    applies (ls_fairseq/ops/fp8.py fp8_residual_node) they are that one node, whose projection's output gradient
+    leaves the dropout's backward as codes; otherwise linear(fp8=fp8), then bias_dropout_residual."""
+    node = fp8_residual_node(x, weight, fp8)
+    if node is not None:
+        return node.ag_fp8_linear_residual(x, weight, bias, residual, float(p) if training else 0.0, fp8.mode,
+                                           fp8.state, fp8.slot)[0]
+    return bias_dropout_residual(linear(x, weight, fp8=fp8), bias, residual, p, training)

@@ -103,6 +103,12 @@ std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, c
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
+std::vector<Tensor> ag_fp8_linear_residual(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                           const Tensor& residual, double p, int64_t mode, const OptTensor& state,
+                                           int64_t slot) {
+  LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+  return {};
+}
 std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
                                const OptTensor& b2, const Tensor& residual, const std::string& activation, double p,
                                double p_out, int64_t mode, const OptTensor& state, int64_t slot1, int64_t slot2,

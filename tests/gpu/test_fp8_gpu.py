@@ -328,6 +328,39 @@ def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
     _node_equals_chain(run, 6, dtype, ("output", "mask", "output mask", "dx", "dW1", "dW2", "d residual"))
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 61, 64, 256), (2, 100, 1024, 1024), (1, 7, 48, 32)])
+def test_linear_residual_node_equals_the_chain(p, dtype, shape):
+    """An attention block's output projection and residual dropout as one FP8 node (ag_fp8_linear_residual) write
+    the projection's output gradient straight as codes, with the bias gradient summed on the way: output, mask, dx,
+    dW, the residual's gradient and the FP8 state equal those of the chain it replaces (the FP8 linear node, then
+    ag_bias_dropout_residual) bit for bit (_node_equals_chain)."""
+    mod = _mod()
+    *lead, K, N = shape
+    g = torch.Generator(device="cuda").manual_seed(K + N)
+    x = torch.randn(*lead, K, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+    b = (0.5 * torch.randn(N, device="cuda", generator=g)).to(dtype)
+    res = torch.randn(*lead, N, device="cuda", generator=g).to(dtype)
+    dy = torch.randn(*lead, N, device="cuda", generator=g).to(dtype)
+
+    def run(kind, st, mode, step):
+        xi, wi, bi, ri = (t.clone().requires_grad_() for t in (x, w, b, res))
+        torch.manual_seed(5 + step)
+        if kind == "chain":
+            out, mask = mod.ag_bias_dropout_residual(mod.ag_fp8_linear(xi, wi, None, mode, st, 0), bi, ri, p)
+        else:
+            out, mask = mod.ag_fp8_linear_residual(xi, wi, bi, ri, p, mode, st, 0)
+        out.backward(dy)
+        assert xi.grad.abs().sum() > 0
+        return out, mask, xi.grad, wi.grad, ri.grad, bi.grad
+
+    node = _node_equals_chain(run, 5, dtype, ("output", "mask", "dx", "dW", "d residual"))
+    if p > 0:
+        assert not bool(node[1].eq(255).all())  # something was dropped
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,T,C,H", [(3, 29, 64, 4), (2, 100, 256, 4), (5, 7, 32, 4)])  # head dims 16, 64, 8
 @pytest.mark.parametrize("n", [3, 2, 1, 12])  # 1: a cross-attention query; 12: six layers' keys and values
@@ -385,6 +418,15 @@ def test_fp8_ffn_node_errors():
         mod.ag_fp8_ffn(x, w1, None, w2, None, x, "tanh", 0.0, 0.0, 2, st, 0, 1)
     with pytest.raises(RuntimeError, match="residual must be"):
         mod.ag_fp8_ffn(x, w1, None, w2, None, x[:3], "relu", 0.0, 0.0, 2, st, 0, 1)
+    wsq = torch.randn(32, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        mod.ag_fp8_linear_residual(x, wsq, None, x[:3], 0.1, 2, st, 0)
+    with pytest.raises(RuntimeError, match="does not match weight"):
+        mod.ag_fp8_linear_residual(x, w2, None, x, 0.1, 2, st, 0)
+    with pytest.raises(RuntimeError, match="dropout probability"):
+        mod.ag_fp8_linear_residual(x, wsq, None, x, 1.0, 2, st, 0)
+    with pytest.raises(RuntimeError, match="this layer needs 9"):
+        mod.ag_fp8_linear_residual(x, wsq, None, x, 0.1, 2, st, 2)
     x3 = x.view(2, 2, 32)
     w3 = torch.randn(96, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="does not split into 3 parts of 5 heads"):
