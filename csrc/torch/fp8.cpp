@@ -118,6 +118,16 @@ void check_projection(const char* op, const Tensor& x, const Tensor& weight, con
              bias->scalar_type());
 }
 
+// The residual of a block whose projection maps x [..., K] to [..., n]: x's leading sizes, dtype and device
+void check_residual(const char* op, const Tensor& residual, const Tensor& x, int64_t n) {
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  LS_CHECK(residual.sizes() == at::IntArrayRef(out_sizes) && residual.scalar_type() == x.scalar_type() &&
+               residual.device() == x.device(),
+           op, ": residual must be ", at::IntArrayRef(out_sizes), " of ", x.scalar_type(), " on ", x.device().str(),
+           ", got ", residual.sizes(), " of ", residual.scalar_type());
+}
+
 // The forward's GEMM and what the backward keeps: [y2, x's transposed codes (or undefined), W's transposed codes,
 // 1/s of x, 1/s of W]
 std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias, const Use& u,
@@ -500,12 +510,7 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
   LS_CHECK(x.dim() >= 2 && w1.dim() == 2 && w2.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0),
            op, ": input ", x.sizes(), ", first weight ", w1.sizes(), " and second weight ", w2.sizes(),
            " do not chain");
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = w2.size(0);
-  LS_CHECK(residual.sizes() == at::IntArrayRef(out_sizes) && residual.scalar_type() == x.scalar_type() &&
-               residual.device() == x.device(),
-           op, ": residual must be ", at::IntArrayRef(out_sizes), " of ", x.scalar_type(), " on ", x.device().str(),
-           ", got ", residual.sizes(), " of ", residual.scalar_type());
+  check_residual(op, residual, x, w2.size(0));
   check_projection(op, x, w1, b1);
   check_projection(op, x, w2, b2);
   check_p(op, p);
@@ -584,12 +589,7 @@ std::vector<Tensor> ag_fp8_linear_residual(const Tensor& x, const Tensor& weight
   const char* op = "fp8_linear_residual";
   LS_CHECK(x.dim() >= 2 && weight.dim() == 2 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(),
            " does not match weight ", weight.sizes());
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = weight.size(0);
-  LS_CHECK(residual.sizes() == at::IntArrayRef(out_sizes) && residual.scalar_type() == x.scalar_type() &&
-               residual.device() == x.device(),
-           op, ": residual must be ", at::IntArrayRef(out_sizes), " of ", x.scalar_type(), " on ", x.device().str(),
-           ", got ", residual.sizes(), " of ", residual.scalar_type());
+  check_residual(op, residual, x, weight.size(0));
   check_projection(op, x, weight, bias);
   check_p(op, p);
   const Use u = use_of(op, mode, state, slot, x);
