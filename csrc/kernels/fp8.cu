@@ -54,7 +54,6 @@ __device__ __forceinline__ float scale_from_bits(unsigned amax_bits, Fp8Format f
   return ldexpf(1.f, k);
 }
 
-
 template <typename T>
 __global__ void amax_kernel(const T* __restrict__ x, int64_t n, unsigned* __restrict__ amax_bits) {
   unsigned m = 0u;

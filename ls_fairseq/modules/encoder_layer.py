@@ -111,19 +111,19 @@ class EncoderLayer(nn.Module):
         if node is not None:
             # both projections in FP8: one node with the residual's dropout, the activation and the gradients
             # reaching the projections only as codes
+            p_out, p_act = self.cpp_dropouts()[:2]
             x = node.ag_fp8_ffn(h, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, residual,
-                                self.activation, float(self.activation_dropout) if self.training else 0.0,
-                                float(self.dropout) if self.training else 0.0, f1.mode, f1.state, f1.slot, f2.slot,
+                                self.activation, p_act, p_out, f1.mode, f1.state, f1.slot, f2.slot,
                                 not self.recomputes_activation())[0]
-            return x if self.normalize_before else self.final_layer_norm(x)
-        if self.recomputes_activation():
-            h = ops.bias_act_linear(ops.linear(h, self.fc1.weight, fp8=f1), self.fc1.bias, self.fc2.weight,
-                                    self.activation, self.activation_dropout, self.training, fp8=f2)
         else:
-            h = ops.bias_act_dropout(ops.linear(h, self.fc1.weight, fp8=f1), self.fc1.bias, self.activation,
-                                     self.activation_dropout, self.training)
-            h = ops.linear(h, self.fc2.weight, fp8=f2)
-        x = ops.bias_dropout_residual(h, self.fc2.bias, residual, self.dropout, self.training)
+            if self.recomputes_activation():
+                h = ops.bias_act_linear(ops.linear(h, self.fc1.weight, fp8=f1), self.fc1.bias, self.fc2.weight,
+                                        self.activation, self.activation_dropout, self.training, fp8=f2)
+            else:
+                h = ops.bias_act_dropout(ops.linear(h, self.fc1.weight, fp8=f1), self.fc1.bias, self.activation,
+                                         self.activation_dropout, self.training)
+                h = ops.linear(h, self.fc2.weight, fp8=f2)
+            x = ops.bias_dropout_residual(h, self.fc2.bias, residual, self.dropout, self.training)
         if not self.normalize_before:
             x = self.final_layer_norm(x)
         return x

@@ -8,6 +8,8 @@ label_smoothed_cross_entropy_with_grad: the same sums, with the gradient of grad
 over 2-D logits (on CUDA one kernel that reads the logits once).
 """
 
+from typing import Optional
+
 import torch
 
 from ls_fairseq.ops._checks import up
@@ -88,9 +90,9 @@ class _LabelSmoothedCEFn(torch.autograd.Function):
         return d.view(shape), None, None, None, None
 
 
-def grad_scale_tensor(grad_scale):
+def grad_scale_tensor(grad_scale, device: Optional[torch.device] = None):
     """``grad_scale`` of :func:`label_smoothed_cross_entropy_with_grad` (None, a number or a 1-element tensor) as
-    None or a tensor of shape [1]."""
+    None or a tensor of shape [1]; with ``device``, float32 there (what the loss kernels read)."""
     if grad_scale is None:
         return None
     if not isinstance(grad_scale, torch.Tensor):
@@ -98,7 +100,8 @@ def grad_scale_tensor(grad_scale):
     if grad_scale.numel() != 1:
         raise ValueError(f"cross-entropy with grad: grad_scale must have 1 element, got shape "
                          f"{tuple(grad_scale.shape)}")
-    return grad_scale.reshape(1)
+    grad_scale = grad_scale.reshape(1)
+    return grad_scale if device is None else grad_scale.to(device, torch.float32)
 
 
 def label_smoothed_cross_entropy_with_grad(logits, target, epsilon: float = 0.0, ignore_index: int = -100,
@@ -124,7 +127,7 @@ def label_smoothed_cross_entropy_with_grad(logits, target, epsilon: float = 0.0,
     with torch.no_grad():
         mod = kernel_module("label_smoothed_cross_entropy", logits, target)
         if mod is not None:
-            gs = None if grad_scale is None else grad_scale.to(logits.device, torch.float32)
+            gs = grad_scale_tensor(grad_scale, logits.device)
             t1 = target.long().contiguous()
             loss, nll = call("ls_cross_entropy_fwd_bwd", logits, t1, float(epsilon), int(ignore_index), gs)
             return loss, nll

@@ -248,6 +248,11 @@ class Fp8HeadSaved(NamedTuple):
     sx: torch.Tensor  # 1/s of the features
     sw: torch.Tensor  # 1/s of the weight
 
+    @property
+    def kept_x(self) -> bool:
+        """Whether the features' codes were kept (fp8_head_forward's keep_x): the weight's gradient needs them."""
+        return self.xq_t is not None or self.xq is not None
+
 
 def fp8_head_forward(x: torch.Tensor, weight: torch.Tensor, use: Fp8Use, keep_x: bool = True):
     """The logits ``x W^T`` of the vocabulary projection as an FP8 GEMM, outside autograd (the CUDA-graph step's
@@ -268,7 +273,7 @@ def fp8_head_backward(g: torch.Tensor, saved: Fp8HeadSaved, use: Fp8Use, need_dw
     """(dx, dW or None) of :func:`fp8_head_forward` for the logits' gradient ``g`` [rows, vocab]: both GEMMs in
     FP8 from g's codes in the gradient format, in g's dtype. ``dw_out``: where dW is written (its shape and g's
     dtype, 16-byte aligned), then returned."""
-    need_dw = need_dw and (saved.xq_t is not None or saved.xq is not None)
+    need_dw = need_dw and saved.kept_x
     mod = _fp8_extension(g, "fp8_quantize")
     if mod is not None:
         st, r = use.state, 3 * use.slot + 2
@@ -297,15 +302,13 @@ def fp8_head_loss_backward(logits: torch.Tensor, target: torch.Tensor, epsilon: 
     quantises it. Both make the same codes, hence the same results."""
     from ls_fairseq.ops.cross_entropy import grad_scale_tensor, label_smoothed_cross_entropy_with_grad
 
-    need_dw = need_dw and (saved.xq_t is not None or saved.xq is not None)
+    need_dw = need_dw and saved.kept_x
     mod = _fp8_extension(logits, "ls_cross_entropy_fwd_bwd_fp8")
     if mod is None or use.current:
         loss, nll = label_smoothed_cross_entropy_with_grad(logits, target, epsilon, ignore_index, grad_scale)
         dx, dw = fp8_head_backward(logits, saved, use, need_dw, dw_out)
         return loss, nll, dx, dw
-    gs = grad_scale_tensor(grad_scale)
-    if gs is not None:
-        gs = gs.to(logits.device, torch.float32)
+    gs = grad_scale_tensor(grad_scale, logits.device)
     st, r = use.state, 3 * use.slot + 2
     with torch.no_grad():
         loss, nll, gq, gq_t = mod.ls_cross_entropy_fwd_bwd_fp8(logits, target.long().contiguous(), float(epsilon),
