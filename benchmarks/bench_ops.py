@@ -50,6 +50,36 @@ def cuda_time(fn, warmup=5, reps=25):
     return statistics.median(times)
 
 
+def graphed_time(fn, reps=20, rounds=5):
+    """GPU seconds of one call of fn, from CUDA-graph replays of reps calls back to back (the fastest of rounds):
+    for kernels of tens of microseconds, where timing single calls from Python would count the host's launch
+    latency as well."""
+    for _ in range(3):
+        fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # allocations and library handles before the capture
+        torch.cuda.synchronize()
+        graph.capture_begin()
+        for _ in range(reps):
+            fn()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e-3 / reps)
+    return best
+
+
 def kernel_events(fn, iters=5):
     """(name, GPU seconds per call) of each kernel (and memset/copy) fn runs, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -264,8 +294,9 @@ def _codes(t, fmt):
 
 
 def fp8_gemm_cases(N, device="cuda"):
-    """[(label, (M, K, N), run(fast_accum) -> bf16 product, fp32 product of the same codes)] for the GEMMs of the
-    FP8 projections at N tokens: forward (e4m3 x e4m3), input and weight gradient (e5m2 gradient x e4m3)."""
+    """[(label, (M, K, N), run(fast_accum) -> bf16 product, fp32 product of the same codes, the same product in
+    bf16)] for the GEMMs of the FP8 projections at N tokens: forward (e4m3 x e4m3), input and weight gradient (e5m2
+    gradient x e4m3)."""
     from ls_fairseq.ops.fp8 import E4M3, E5M2
 
     out = []
@@ -281,8 +312,10 @@ def fp8_gemm_cases(N, device="cuda"):
         gq, gq_t, sg = _codes(dy, E5M2)
 
         def mm(a, b, sa, sb):  # a [M, K] row-major, b [K, N] column-major
+            ab, bb = a.to(torch.bfloat16), b.t().to(torch.bfloat16).t()  # the bf16 GEMM of the same layouts
             return (lambda fast: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast),
-                    lambda: (a.float() * sa) @ (b.float() * sb))
+                    lambda: (a.float() * sa) @ (b.float() * sb),
+                    lambda: ab @ bb)
 
         out += [(f"{name} forward", (N, k, n)) + mm(xq, wq.t(), sx, sw),
                 (f"{name} input gradient", (N, n, k)) + mm(gq, wq_t.t(), sg, sw),
@@ -291,17 +324,22 @@ def fp8_gemm_cases(N, device="cuda"):
 
 
 def fp8_accumulation_report(N):
-    """Each FP8 GEMM with full (fp32-promoted) and fast accumulation: time and error against fp32."""
-    print(f"\nFP8 GEMMs at {N} tokens, full against fast accumulation (torch._scaled_mm, bf16 output; error: "
-          "|product - fp32 product of the same codes| / |fp32 product|):\n")
-    print("| GEMM | M x K x N | full ms | fast ms | fast / full | error full / fast |")
-    print("|" + "---|" * 6)
-    for label, (m, k, n), run, exact in fp8_gemm_cases(N):
+    """Each FP8 GEMM with full (fp32-promoted) and fast accumulation, against the bf16 GEMM of the same shape: GPU
+    time (CUDA-graph replays) and error against fp32."""
+    print(f"\nFP8 GEMMs at {N} tokens, full against fast accumulation, and the bf16 GEMM of the same shape "
+          "(torch._scaled_mm, bf16 output; GPU ms per GEMM from CUDA-graph replays; error: |product - fp32 product "
+          "of the same codes| / |fp32 product|):\n")
+    print("| GEMM | M x K x N | bf16 ms | full ms | fast ms | fast / full | bf16 / fast | fast TFLOP/s | "
+          "error full / fast |")
+    print("|" + "---|" * 9)
+    for label, (m, k, n), run, exact, bf16 in fp8_gemm_cases(N):
         ref = exact()
-        t = {fast: cuda_time(lambda: run(fast)) for fast in (False, True)}
+        t = {fast: graphed_time(lambda: run(fast)) for fast in (False, True)}
+        t_bf = graphed_time(bf16)
         err = {fast: ((run(fast).float() - ref).norm() / ref.norm()).item() for fast in (False, True)}
-        print(f"| {label} | {m} x {k} x {n} | {t[False] * 1e3:.4f} | {t[True] * 1e3:.4f} | "
-              f"{t[False] / t[True]:.2f}x | {err[False]:.2e} / {err[True]:.2e} |", flush=True)
+        print(f"| {label} | {m} x {k} x {n} | {t_bf * 1e3:.4f} | {t[False] * 1e3:.4f} | {t[True] * 1e3:.4f} | "
+              f"{t[False] / t[True]:.2f}x | {t_bf / t[True]:.2f}x | {2 * m * k * n / t[True] / 1e12:.0f} | "
+              f"{err[False]:.2e} / {err[True]:.2e} |", flush=True)
 
 
 def main():
