@@ -1,3 +1,4 @@
+import faulthandler
 import os
 import subprocess
 import sys
@@ -25,3 +26,10 @@ def corpus(tmp_path_factory):
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "make_wmt_synth.py"), str(out), "--pairs",
                     "4000", "--valid-pairs", "100", "--vocab", "2000"], check=True, capture_output=True)
     return str(out)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Keep Python's fault handler on while the test process exits (pytest turns its own off before that), so that a
+    crash in CUDA or C++ teardown after the tests prints every thread's Python stack."""
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
