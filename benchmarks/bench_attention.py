@@ -1,8 +1,8 @@
 """Attention forward + backward at the (batch, length) shapes fairseq's --max-tokens batching makes.
 
 For each length T (batch = tokens // T; 16 heads of 64, fp16, dropout 0.1) and each mask kind
-(none, causal, key padding) it times, in GPU ms per fwd+bwd (each captured once in a CUDA graph and
-replayed, as the training step runs it; median of 3 x 10 replays):
+(none, causal, key padding) it times, in GPU ms per fwd+bwd (ten calls captured in one CUDA graph, as the
+training step runs them, and replayed; the median of five replays):
 
 * ls      ls_fairseq.ops.attention (the short-sequence kernel up to 128 tokens, SDPA beyond);
 * memeff  SDPA's memory-efficient backend alone;
@@ -28,41 +28,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def timed(fn, reps=10):
-    """Median GPU ms of fn over 3 x reps replays of a CUDA graph of it (eager calls where it cannot be captured)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
-    except RuntimeError:
-        run = fn
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            run()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return sorted(out)[1]
+from _timing import graphed_ms  # noqa: E402
 
 
 def timed_or_nan(fn):
-    """timed(fn), or nan where the backend has no kernel for this mask / shape (flash with a padding mask)."""
+    """graphed_ms(fn), or nan where the backend has no kernel for this mask / shape (flash with a padding mask)."""
     try:
-        return timed(fn)
+        return graphed_ms(fn)
     except RuntimeError:
         return float("nan")
 
@@ -95,7 +67,7 @@ def packed(args):
                                                           v.transpose(1, 2)[0], cu, cu, T, T, p, True, False)[0]
             torch.autograd.grad(out, (q, k, v), g.transpose(1, 2)[0])
 
-        row = [timed(run_ls(m)) if m >= T else float("nan") for m in [T] + maxes] + [timed(run_flash)]
+        row = [graphed_ms(run_ls(m)) if m >= T else float("nan") for m in [T] + maxes] + [graphed_ms(run_flash)]
         print(f"{T:4d} {n:5d} " + " ".join(f"{x:8.3f}" for x in row), flush=True)
 
 
@@ -157,10 +129,10 @@ def main():
                 torch.bmm(ds, k2)  # dQ
                 torch.bmm(ds.transpose(1, 2), q2)  # dK
 
-            row = [timed(run_ls)]
+            row = [graphed_ms(run_ls)]
             for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
                 row.append(timed_or_nan(sdpa([backend])))
-            row.append(timed(run_gemm))
+            row.append(graphed_ms(run_gemm))
             row.append(timed_or_nan(sdpa([SDPBackend.CUDNN_ATTENTION])))
             best = min(x for x in (row[1], row[2], row[3], row[5]) if x == x)
             print(f"{T:4d} {B:5d} {kind:>8} " + " ".join(f"{x:8.3f}" for x in row) + f"  {row[0] / best:.2f}",

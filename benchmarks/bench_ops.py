@@ -14,7 +14,6 @@ with fast accumulation (the latter is what ls_fairseq uses): time, and error aga
 """
 
 import argparse
-import statistics
 import sys
 import os
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _timing import event_ms, graphed_ms  # noqa: E402
 from ls_fairseq import ops  # noqa: E402
 from ls_fairseq.ops import _dispatch  # noqa: E402
 from ls_fairseq.ops.adam import adam_reference_  # noqa: E402
@@ -36,48 +36,11 @@ from ls_fairseq.ops.layer_norm import add_layer_norm_reference, layer_norm_refer
 
 
 def cuda_time(fn, warmup=5, reps=25):
+    """Wall seconds of one eager call (CUDA events around it, the median of ``reps``)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(times)
-
-
-def graphed_time(fn, reps=20, rounds=5):
-    """GPU seconds of one call of fn, from CUDA-graph replays of reps calls back to back (the fastest of rounds):
-    for kernels of tens of microseconds, where timing single calls from Python would count the host's launch
-    latency as well."""
-    for _ in range(3):
-        fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()  # allocations and library handles before the capture
-        torch.cuda.synchronize()
-        graph.capture_begin()
-        for _ in range(reps):
-            fn()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e-3 / reps)
-    return best
+    return event_ms(fn, reps) * 1e-3
 
 
 def kernel_events(fn, iters=5):
@@ -327,15 +290,15 @@ def fp8_accumulation_report(N):
     """Each FP8 GEMM with full (fp32-promoted) and fast accumulation, against the bf16 GEMM of the same shape: GPU
     time (CUDA-graph replays) and error against fp32."""
     print(f"\nFP8 GEMMs at {N} tokens, full against fast accumulation, and the bf16 GEMM of the same shape "
-          "(torch._scaled_mm, bf16 output; GPU ms per GEMM from CUDA-graph replays; error: |product - fp32 product "
+          "(torch._scaled_mm, bf16 output; GPU ms per GEMM, median of CUDA-graph replays of 10 back-to-back calls; error: |product - fp32 product "
           "of the same codes| / |fp32 product|):\n")
     print("| GEMM | M x K x N | bf16 ms | full ms | fast ms | fast / full | bf16 / fast | fast TFLOP/s | "
           "error full / fast |")
     print("|" + "---|" * 9)
     for label, (m, k, n), run, exact, bf16 in fp8_gemm_cases(N):
         ref = exact()
-        t = {fast: graphed_time(lambda: run(fast)) for fast in (False, True)}
-        t_bf = graphed_time(bf16)
+        t = {fast: graphed_ms(lambda: run(fast)) * 1e-3 for fast in (False, True)}
+        t_bf = graphed_ms(bf16) * 1e-3
         err = {fast: ((run(fast).float() - ref).norm() / ref.norm()).item() for fast in (False, True)}
         print(f"| {label} | {m} x {k} x {n} | {t_bf * 1e3:.4f} | {t[False] * 1e3:.4f} | {t[True] * 1e3:.4f} | "
               f"{t[False] / t[True]:.2f}x | {t_bf / t[True]:.2f}x | {2 * m * k * n / t[True] / 1e12:.0f} | "
