@@ -290,18 +290,18 @@ def fp8_accumulation_report(N):
     """Each FP8 GEMM with full (fp32-promoted) and fast accumulation, against the bf16 GEMM of the same shape: GPU
     time (CUDA-graph replays) and error against fp32."""
     print(f"\nFP8 GEMMs at {N} tokens, full against fast accumulation, and the bf16 GEMM of the same shape "
-          "(torch._scaled_mm, bf16 output; GPU ms per GEMM, median of CUDA-graph replays of 10 back-to-back calls; error: |product - fp32 product "
-          "of the same codes| / |fp32 product|):\n")
+          "(torch._scaled_mm, bf16 output; GPU ms per GEMM, median of CUDA-graph replays of 10 back-to-back calls; "
+          "error: |product - fp32 product of the same codes| / |fp32 product|):\n")
     print("| GEMM | M x K x N | bf16 ms | full ms | fast ms | fast / full | bf16 / fast | fast TFLOP/s | "
           "error full / fast |")
     print("|" + "---|" * 9)
     for label, (m, k, n), run, exact, bf16 in fp8_gemm_cases(N):
         ref = exact()
-        t = {fast: graphed_ms(lambda: run(fast)) * 1e-3 for fast in (False, True)}
-        t_bf = graphed_ms(bf16) * 1e-3
+        t = {fast: graphed_ms(lambda: run(fast)) for fast in (False, True)}
+        t_bf = graphed_ms(bf16)
         err = {fast: ((run(fast).float() - ref).norm() / ref.norm()).item() for fast in (False, True)}
-        print(f"| {label} | {m} x {k} x {n} | {t_bf * 1e3:.4f} | {t[False] * 1e3:.4f} | {t[True] * 1e3:.4f} | "
-              f"{t[False] / t[True]:.2f}x | {t_bf / t[True]:.2f}x | {2 * m * k * n / t[True] / 1e12:.0f} | "
+        print(f"| {label} | {m} x {k} x {n} | {t_bf:.4f} | {t[False]:.4f} | {t[True]:.4f} | "
+              f"{t[False] / t[True]:.2f}x | {t_bf / t[True]:.2f}x | {2 * m * k * n / t[True] / 1e9:.0f} | "
               f"{err[False]:.2e} / {err[True]:.2e} |", flush=True)
 
 
