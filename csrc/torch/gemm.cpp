@@ -233,6 +233,8 @@ bool key_of(const Tensor& a, const Tensor& b, const OptTensor& bias, at::ScalarT
   return true;
 }
 
+int key_device() { return c10::cuda::current_device(); }
+
 bool capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
@@ -424,6 +426,17 @@ bool tuned(const Key& key, const Operands& o) {
   Tuner& t = tuner();
   const LtApi& api = lt_api();
   if (!api.ok) return false;
+  // ATen's cuBLAS handles of this thread, made outside any capture as the ATen product this one replaces would have
+  // made them (a later capture that runs an ATen product on this thread could not create one): the same ATen call
+  // once per thread, form and device on 16 x 16 scratch operands
+  thread_local std::vector<int> warmed;
+  const int form = (key_device() * 2 + key.scaled) * 2 + key.bias;
+  if (std::find(warmed.begin(), warmed.end(), form) == warmed.end() && !capturing()) {
+    Key tiny = key;
+    tiny.m = tiny.n = tiny.k = 16;
+    run_aten(tiny, scratch_operands(tiny));
+    warmed.push_back(form);
+  }
   std::lock_guard<std::mutex> lock(t.mu);
   if (!t.enabled) return false;
   const Key cls = key.with_tokens(0);
