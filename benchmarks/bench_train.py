@@ -83,9 +83,6 @@ MEMORY_MODES = {"ls_mem": ["--ls-invertible-layernorm", "--ls-recompute-activati
 def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
     """One training run; ``entry``: the train_entry.py to run (another checkout's, for a baseline)."""
     ls = kind.startswith("ls")  # "ls", or "ls_me": ls with --memory-efficient-fp16/bf16
-    name = f"{kind}_{arch}_{max_tokens}_{precision}"
-    untuned = kind.endswith("_untuned")  # any ls kind without GEMM tuning (--ls-gemm-tuning off)
-    kind = kind[:-len("_untuned")] if untuned else kind
     a = ("ls_" + arch) if ls else arch
     flags = [data, "--arch", a, "--max-tokens", str(max_tokens), "--max-epoch", str(epochs)] + COMMON
     flags += ["--optimizer", "ls_adam", "--criterion", "ls_label_smoothed_cross_entropy"] if ls else \
@@ -100,8 +97,7 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
     if kind.startswith("ls_fp8"):  # ls_fp8 (default gradient format), ls_fp8_e4m3, ls_fp8_e5m2
         flags += ["--fp8"] + (["--fp8-grad-format", kind.rsplit("_", 1)[1]] if kind.count("_") == 2 else [])
     flags += MEMORY_MODES.get(kind, [])
-    if untuned:
-        flags += ["--ls-gemm-tuning", "off"]
+    name = f"{kind}_{arch}_{max_tokens}_{precision}"
     log_path = os.path.join(out, name + ".log")
     cmd = [sys.executable, entry or os.path.join(HERE, "train_entry.py"), "ls" if ls else "native"] + flags
     t0 = time.time()
@@ -145,8 +141,7 @@ def main():
                     help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
                          "ls_buckets<K> (--ls-graph-buckets K), "
                          "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format), "
-                         "ls_mem (all memory modes), ls_inv / ls_recompute / ls_logits (one of them); "
-                         "any ls kind + _untuned: with --ls-gemm-tuning off (ls_untuned, ls_fp8_untuned)")
+                         "ls_mem (all memory modes), ls_inv / ls_recompute / ls_logits (one of them)")
     ap.add_argument("--bf16", action="store_true", help="also run ls in bf16 (native fairseq cannot)")
     ap.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"], help="fp32: CPU smoke test")
     args = ap.parse_args()

@@ -241,13 +241,11 @@ def test_graph_flags_parse_and_reach_the_options(tmp_path):
     base = [str(tmp_path), "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3",
             "--criterion", "ls_label_smoothed_cross_entropy", "--max-tokens", "64", "--cpu"]
     args = train.parse(base)
-    assert train.graph_options(args) == {"on": True, "several_gpus": False, "buckets": 64, "gemm_tuning": True}
+    assert train.graph_options(args) == {"on": True, "several_gpus": False, "buckets": 64}
     args = train.parse(base + ["--ls-graph-step", "on"])
-    assert train.graph_options(args) == {"on": True, "several_gpus": True, "buckets": 64, "gemm_tuning": True}
-    args = train.parse(base + ["--ls-graph-step", "off", "--ls-graph-buckets", "7", "--ls-gemm-tuning", "off"])
-    assert train.graph_options(args) == {"on": False, "several_gpus": False, "buckets": 7, "gemm_tuning": False}
-    with pytest.raises(SystemExit):
-        train.parse(base + ["--ls-gemm-tuning", "maybe"])
+    assert train.graph_options(args) == {"on": True, "several_gpus": True, "buckets": 64}
+    args = train.parse(base + ["--ls-graph-step", "off", "--ls-graph-buckets", "7"])
+    assert train.graph_options(args) == {"on": False, "several_gpus": False, "buckets": 7}
     with pytest.raises(SystemExit):
         train.parse(base + ["--ls-graph-buckets", "0"])
 

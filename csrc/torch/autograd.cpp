@@ -204,7 +204,7 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
       y2 = f[0], mask = f[1], aq_t = f[2], wq_t = f[3], sx = f[4], sw = f[5];
     } else {
       auto r = bias_act_dropout_fwd(xc, bias, activation, p);  // [a, mask]
-      y2 = gemm_mm(r[0].reshape({-1, x.size(-1)}), weight.t(), std::nullopt, 0);
+      y2 = at::mm(r[0].reshape({-1, x.size(-1)}), weight.t());
       mask = r[1];
     }
     auto sizes = x.sizes().vec();
@@ -255,7 +255,7 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
       Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
       Tensor a2 = a.reshape({-1, xc.size(-1)});
       dw = need_dw ? weight_grad_mm(w, g2.t(), a2) : Tensor();  // undefined when written into its sink
-      Tensor da2 = gemm_mm(g2, w, std::nullopt, 0);
+      Tensor da2 = at::mm(g2, w);
       const bool relu = act == "relu";
       r = bias_act_dropout_bwd(at::_unsafe_view(da2, xc.sizes()), relu ? std::nullopt : OptTensor(xc), bias,
                                relu ? OptTensor(a) : std::nullopt, mask, p, act, need_db);
@@ -297,7 +297,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias) {
     const int64_t K = x.size(-1);
     Tensor x2 = x.reshape({-1, K});
-    Tensor y2 = gemm_mm(x2, weight.t(), bias, 0);
+    Tensor y2 = present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
@@ -317,7 +317,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     if (ctx->needs_input_grad(0)) {
       auto sizes = g.sizes().vec();
       sizes.back() = w.size(1);
-      dx = at::_unsafe_view(gemm_mm(g2, w, std::nullopt, 0), sizes);
+      dx = at::_unsafe_view(at::mm(g2, w), sizes);
     }
     if (ctx->needs_input_grad(1)) dw = weight_grad_mm(w, g2.t(), x2);  // undefined when written into its sink
     if (ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2)) db = g2.sum(0);

@@ -85,30 +85,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // autograd nodes and whole layers in C++ (autograd.cpp, layers.cpp)
   bind_nodes_and_layers(m, [](auto f) { return guarded(f); });
 
-  // GEMM tuning (gemm.cpp)
-  m.def("gemm_mm", guarded(&gemm_mm), "a b (+ bias), through the tuned cuBLASLt algorithm where GEMM tuning chose "
-        "one (token: 0 when a's rows count tokens, 1 when the summed size does)", py::arg("a"), py::arg("b"),
-        py::arg("bias") = none, py::arg("token") = 0);
-  m.def("gemm_mm_into", guarded(&gemm_mm_into), "out = a b, or out += a b (add), as gemm_mm", py::arg("out"),
-        py::arg("a"), py::arg("b"), py::arg("add"), py::arg("token") = 0);
-  m.def("gemm_scaled", guarded(&gemm_scaled), "FP8 a b scaled by sa sb (+ bias) with fast accumulation, as "
-        "torch._scaled_mm, through the tuned cuBLASLt algorithm where GEMM tuning chose one", py::arg("a"),
-        py::arg("b"), py::arg("sa"), py::arg("sb"), py::arg("bias") = none, py::arg("out_dtype"),
-        py::arg("token") = 0);
-  m.def("gemm_tuning_available", guarded(&gemm_tuning_available),
-        "whether this build and process have cuBLASLt for GEMM tuning");
-  m.def("gemm_tuning_version", guarded(&gemm_tuning_version), "the cuBLASLt version GEMM tuning uses (0: none)");
-  m.def("gemm_tuning_enable", guarded(&gemm_tuning_enable),
-        "GEMM tuning on: each new class of product is measured at these token counts, ATen against cuBLASLt's "
-        "first candidates", py::arg("grid"), py::arg("candidates") = 8);
-  m.def("gemm_tuning_disable", guarded(&gemm_tuning_disable), "GEMM tuning off: every product through ATen");
-  m.def("gemm_tuning_clear", guarded(&gemm_tuning_clear), "forget every decision");
-  m.def("gemm_tuning_state", guarded(&gemm_tuning_state), "the decisions, one list of integers each");
-  m.def("gemm_tuning_load", guarded(&gemm_tuning_load), "replace the decisions by these (gemm_tuning_state's)",
-        py::arg("rows"));
-  m.def("gemm_tuning_report", guarded(&gemm_tuning_report),
-        "[classes, decisions, cuBLASLt decisions, seconds measuring, points measured, summed ATen ms, summed chosen ms]");
-
   // FP8 (fp8.cpp, fp8.cu)
   m.def("fp8_quantize", guarded(&fp8_quantize),
         "FP8 codes of a 2-d tensor under one row of an FP8 state: [row-major codes, transposed codes] (fp8.cpp)",

@@ -137,7 +137,7 @@ std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const
   auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, u.current, true, true);
   Tensor sx = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
   // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes
-  Tensor y2 = gemm_scaled(xq, wq.t(), sx, sw, bias, x2.scalar_type(), 0);
+  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, x2.scalar_type(), true);
   return {y2, xq_t, wq_t, sx, sw};
 }
 
@@ -151,19 +151,17 @@ std::pair<Tensor, Tensor> backward_gemms(const Tensor& gq, const Tensor& gq_t, c
                                          Tensor dw_out = Tensor()) {
   Tensor dx, dw;
   // dx = dY W: mat2 = W [N, K] column-major, i.e. the transposed codes viewed back
-  if (gq.defined()) dx = gemm_scaled(gq, wq_t.t(), sg, sw, std::nullopt, dx_dtype, 0);
+  if (gq.defined()) dx = at::_scaled_mm(gq, wq_t.t(), sg, sw, std::nullopt, std::nullopt, dx_dtype, true);
   // dW = dY^T x: mat1 = dY^T [N, Mp] row-major, mat2 = x [Mp, K] column-major (its transposed codes viewed back)
   if (gq_t.defined()) {
     Tensor sink =
         dw_out.defined() ? Tensor() : weight_grad_overwrite_sink(wkey, gq_t.size(0), xq_t.size(0), w_dtype);
-    if (dw_out.defined()) {
-      gemm_scaled_into(dw_out, gq_t, xq_t.t(), sg, sx, w_dtype, 1);
-      dw = dw_out;
-    } else if (sink.defined()) {
-      gemm_scaled_into(sink, gq_t, xq_t.t(), sg, sx, w_dtype, 1);
-    } else {
-      dw = gemm_scaled(gq_t, xq_t.t(), sg, sx, std::nullopt, w_dtype, 1);
-    }
+    if (dw_out.defined())
+      dw = at::_scaled_mm_out(dw_out, gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, true);
+    else if (sink.defined())
+      at::_scaled_mm_out(sink, gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, true);
+    else
+      dw = at::_scaled_mm(gq_t, xq_t.t(), sg, sx, std::nullopt, std::nullopt, w_dtype, true);
   }
   return {dx, dw};
 }
@@ -391,7 +389,7 @@ std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bi
   auto [aq, aq_t] = act_codes(op, x2, bias, mask, true, positive_bits, activation, p, u, true, keep_codes);
   auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, false, true, true);
   Tensor sa = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
-  Tensor y2 = gemm_scaled(aq, wq.t(), sa, sw, std::nullopt, x2.scalar_type(), 0);
+  Tensor y2 = at::_scaled_mm(aq, wq.t(), sa, sw, std::nullopt, std::nullopt, x2.scalar_type(), true);
   return {y2, mask, aq_t, wq_t, sa, sw};
 }
 

@@ -80,23 +80,6 @@ std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, 
 std::vector<Tensor> ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 
-// gemm.cpp: the layers' products, each through the cuBLASLt algorithm GEMM tuning chose for its class (when tuning
-// is on), else through the ATen call named. token: which size counts tokens (0: the rows of a; 1: the summed size).
-Tensor gemm_mm(const Tensor& a, const Tensor& b, const OptTensor& bias, int64_t token);  // at::mm / at::addmm
-void gemm_mm_into(const Tensor& out, const Tensor& a, const Tensor& b, bool add, int64_t token);  // addmm_ / mm_out
-Tensor gemm_scaled(const Tensor& a, const Tensor& b, const Tensor& sa, const Tensor& sb, const OptTensor& bias,
-                   at::ScalarType out_dtype, int64_t token);  // at::_scaled_mm, fast accumulation
-void gemm_scaled_into(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& sa, const Tensor& sb,
-                      at::ScalarType out_dtype, int64_t token);  // at::_scaled_mm_out, fast accumulation
-bool gemm_tuning_available();
-int64_t gemm_tuning_version();
-void gemm_tuning_enable(const std::vector<int64_t>& grid, int64_t candidates);
-void gemm_tuning_disable();
-void gemm_tuning_clear();
-std::vector<std::vector<int64_t>> gemm_tuning_state();
-void gemm_tuning_load(const std::vector<std::vector<int64_t>>& rows);
-std::vector<double> gemm_tuning_report();
-
 // weight_grads.cpp: weight gradients written into the places the CUDA-graph step names while it captures a
 // backward. set_weight_grad_sinks: parameter i's weight gradient goes into dests[i] (same shape and dtype,
 // contiguous), overwritten (accumulate false: an update's only micro-batch) or added to; take_weight_grad_sinks:

@@ -112,11 +112,7 @@ def _train_main(cfg, **kwargs):
     from ls_fairseq.cli import affinity
     from ls_fairseq.fairseq_ext import graph_step
 
-    from ls_fairseq.fairseq_ext import gemm_tuning
-
-    options = dict(kwargs.pop("ls_graph", None) or {})
-    gemm_tuning.OPTIONS["on"] = bool(options.pop("gemm_tuning", False))
-    graph_step.OPTIONS.update(options)
+    graph_step.OPTIONS.update(kwargs.pop("ls_graph", None) or {})
     from ls_fairseq.fairseq_ext.checkpoint_files import install_atomic_copies
 
     install_atomic_copies()  # checkpoint_last / checkpoint_best are never left half-written
@@ -179,14 +175,6 @@ GRAPH_BUCKETS_HELP = (
 )
 
 
-GEMM_TUNING_HELP = (
-    "lightseq-train: measure each class of matrix product once (ATen's algorithm against cuBLASLt's first "
-    "candidates, at a few token counts up to --max-tokens, about a second in the first updates) and run the "
-    "fastest; checkpoints keep the choices, so a resumed run computes with the same algorithms. off: ATen's "
-    "choice throughout, and runs of the same seed are the same bit for bit (default: %(default)s)"
-)
-
-
 def _modify_parser(parser: argparse.ArgumentParser) -> None:
     from ls_fairseq.fairseq_ext.graph_step import DEFAULT_BUCKETS
 
@@ -204,7 +192,6 @@ def _modify_parser(parser: argparse.ArgumentParser) -> None:
                            help=GRAPH_STEP_HELP)
         group.add_argument("--ls-graph-buckets", type=int, default=DEFAULT_BUCKETS, metavar="N",
                            help=GRAPH_BUCKETS_HELP)
-        group.add_argument("--ls-gemm-tuning", choices=("on", "off"), default="on", help=GEMM_TUNING_HELP)
 
 
 def check_precision_flags(argv: List[str]) -> None:
@@ -287,8 +274,7 @@ def check_device_args(args: argparse.Namespace) -> None:
 def graph_options(args: argparse.Namespace) -> dict:
     """lightseq-train's CUDA-graph flags, as :data:`ls_fairseq.fairseq_ext.graph_step.OPTIONS` takes them."""
     mode = getattr(args, "ls_graph_step", "off")
-    return {"on": mode != "off", "several_gpus": mode == "on", "buckets": int(getattr(args, "ls_graph_buckets", 1)),
-            "gemm_tuning": getattr(args, "ls_gemm_tuning", "off") == "on"}
+    return {"on": mode != "off", "several_gpus": mode == "on", "buckets": int(getattr(args, "ls_graph_buckets", 1))}
 
 
 # lightseq-train's --bucket-cap-mb where ls_adam reduces the gradients itself. Each bucket costs the

@@ -123,9 +123,6 @@ def _check_lr(lr) -> None:
                              "--lr, --end-learning-rate and the --lr-scheduler settings")
 
 
-REPORT_GEMM_UPDATES = 20  # updates after which GEMM tuning's new measurements are logged
-
-
 class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePrepMixin, Trainer):
     # ----------------------------------------------------- the weights in flight
     @property
@@ -148,11 +145,6 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
     # ------------------------------------------------------------------ step
     def train_step(self, samples, raise_oom=False):
         model, criterion = Trainer.model.fget(self), self.criterion  # the forward waits for the weights
-        tuning = self.__dict__.get("_ls_gemm")
-        if tuning is None:
-            from ls_fairseq.fairseq_ext import gemm_tuning
-
-            tuning = self._ls_gemm = {"on": gemm_tuning.start(self), "report": None, "steps": 0}
         deferred = self._deferred_step_applies()
         if not deferred:
             self._ls_resolve()
@@ -167,11 +159,6 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
             else:
                 out = super().train_step(samples, raise_oom)
         self._ls_train_mode_set = True
-        if tuning["on"] and tuning["steps"] < REPORT_GEMM_UPDATES:  # what the first updates measured, logged
-            from ls_fairseq.fairseq_ext import gemm_tuning
-
-            tuning["steps"] += 1
-            tuning["report"] = gemm_tuning.report(tuning["report"])
         return out
 
     def _set_seed(self):
@@ -315,14 +302,7 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
 
     def state_dict(self):
         self._ls_resolve()
-        state = super().state_dict()
-        if self.__dict__.get("_ls_gemm", {}).get("on"):
-            from ls_fairseq.fairseq_ext import gemm_tuning
-
-            choices = gemm_tuning.state()
-            if choices is not None and isinstance(state.get("extra_state"), dict):
-                state["extra_state"][gemm_tuning.STATE_KEY] = choices
-        return state
+        return super().state_dict()
 
     def save_checkpoint(self, filename, extra_state):
         self._ls_resolve()
@@ -332,11 +312,6 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         self._ls_resolve()
         out = super().load_checkpoint(*args, **kwargs)
         self._ls_scale = None  # the loss scale may have been restored: refreshed from the host
-        if isinstance(out, dict) and out.get("ls_gemm_tuning") is not None and self.cuda:
-            from ls_fairseq.fairseq_ext import gemm_tuning
-
-            if gemm_tuning.OPTIONS.get("on"):
-                gemm_tuning.load(out["ls_gemm_tuning"])  # the same algorithms as the run that saved it
         return out
 
     # ------------------------------------------------------------ batches
