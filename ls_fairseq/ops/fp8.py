@@ -22,6 +22,7 @@ Numerics (csrc/kernels/fp8.cu holds the kernels, this file the same rules in pla
 state's tensor and the linear's slot in it (rows 3 slot, 3 slot + 1, 3 slot + 2: input, weight, gradient).
 """
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -79,7 +80,8 @@ class Fp8State:
             self.tensor = torch.zeros(3 * self.linears, WIDTH, device=device)
             self.current = True
         else:
-            self.current = False
+            # measurement scaffolding: current scaling at every update (the roll only zeroes the recorded maxima)
+            self.current = os.environ.get("LS_FAIRSEQ_FP8_CURRENT") == "1"
             fp8_roll(self.tensor, self.grad_format)
 
     def use(self, slot: int) -> Fp8Use:
