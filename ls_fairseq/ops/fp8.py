@@ -22,7 +22,6 @@ Numerics (csrc/kernels/fp8.cu holds the kernels, this file the same rules in pla
 state's tensor and the linear's slot in it (rows 3 slot, 3 slot + 1, 3 slot + 2: input, weight, gradient).
 """
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -80,8 +79,7 @@ class Fp8State:
             self.tensor = torch.zeros(3 * self.linears, WIDTH, device=device)
             self.current = True
         else:
-            # measurement scaffolding: current scaling at every update (the roll only zeroes the recorded maxima)
-            self.current = os.environ.get("LS_FAIRSEQ_FP8_CURRENT") == "1"
+            self.current = False
             fp8_roll(self.tensor, self.grad_format)
 
     def use(self, slot: int) -> Fp8Use:
