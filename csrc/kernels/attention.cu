@@ -227,8 +227,10 @@ __device__ __forceinline__ void load_keys(uint8_t* att, const ShortAttentionArgs
 
 // ================================================================ forward
 // KC: the key capacity (TK <= KC) that sizes the score registers
+// KC 128 at head dims up to 64: at most 128 registers, so that two CTAs of 8 warps fit an SM (unbounded it took
+// 144 and ran one: 16 sentences' heads of 128 tokens at a time)
 template <typename T, int D, int KC>
-__global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttentionArgs a, PhiloxArgs rng,
+__global__ void __launch_bounds__(256, (KC == 128 && D <= 64) ? 2 : 0) short_attention_fwd_kernel(ShortAttentionArgs a, PhiloxArgs rng,
                                                                    uint32_t threshold) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int LD = Smem<T, D>::LD, NT = KC / 8;
@@ -368,8 +370,10 @@ __global__ void __launch_bounds__(256) short_attention_fwd_kernel(ShortAttention
 }
 
 // ================================================================ backward
+// head dims up to 64: at most 128 registers (without spills), so that 16 warps fit an SM where 159 registers
+// left room for 12
 template <typename T, int D>
-__global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttentionArgs a) {
+__global__ void __launch_bounds__(256, D <= 64 ? 2 : 0) short_attention_bwd_kernel(ShortAttentionArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int LD = Smem<T, D>::LD;
   const Smem<T, D> L(cap_q(a), cap_k(a), true);
@@ -403,11 +407,20 @@ __global__ void __launch_bounds__(256) short_attention_bwd_kernel(ShortAttention
   load_keys(att, a, seq, TKc);
   cp_async_wait_all();
   __syncthreads();
-  for (int i = warp; i < TQc; i += warps) {  // delta_i = sum_d dout * out (the softmax backward's)
-    float acc = 0.f;
-    for (int d = lane; d < D; d += 32) acc += to_f(sdo[i * LD + d]) * to_f(sds[i * LD + d]);
-    acc = warp_sum(acc);
-    if (lane == 0) sdelta[i] = acc;
+  {  // delta_i = sum_d dout * out (the softmax backward's): C lanes per row, 8 elements each, 32 / C rows a pass
+    constexpr int C = D / 8, RPW = 32 / C;
+    const int sub = lane / C, c = lane - sub * C;
+    for (int i = warp * RPW + sub; i < TQc; i += warps * RPW) {  // TQc is a multiple of 16 >= RPW: whole passes
+      float x[8], y[8];
+      load8(sdo + i * LD + 8 * c, x);
+      load8(sds + i * LD + 8 * c, y);
+      float acc = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += x[e] * y[e];
+#pragma unroll
+      for (int o = C / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (c == 0) sdelta[i] = acc;
+    }
   }
   __syncthreads();
 
@@ -507,6 +520,9 @@ void allow_smem(K* kern, std::atomic<int> (&allowed)[64], size_t bytes) {
   cudaGetDevice(&dev);
   if (dev >= 0 && dev < 64 && static_cast<int>(bytes) <= allowed[dev].load(std::memory_order_relaxed)) return;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  // all of the SM's unified memory as shared memory: the CTAs' loads bypass L1 (cp.async.cg), and with the default
+  // split the driver took 168 of 228 KB, which held 6 backward CTAs of 32 tokens where their registers allow 8
+  cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (dev >= 0 && dev < 64) {
     int seen = allowed[dev].load(std::memory_order_relaxed);
     while (static_cast<int>(bytes) > seen && !allowed[dev].compare_exchange_weak(seen, static_cast<int>(bytes))) {
@@ -538,11 +554,10 @@ void launch_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
   auto kern = short_attention_bwd_kernel<T, D>;
   static std::atomic<int> allowed[64];
   allow_smem(kern, allowed, L.total);
-  // one warp per 16 keys (the longer length's), except at 128: there 4 warps of two 16-key blocks each, so that the
-  // registers leave room for two CTAs per SM (one H100, 8192 tokens packed in sentences of 16-128 tokens launched
-  // for 128: forward + backward 2-20% faster than with 8 warps; at 96 tokens, 6 warps stay faster than 4)
+  // one warp per 16 keys (the longer length's); D <= 64 holds two CTAs of 8 warps per SM within its 128 registers
+  // (D = 128: 4 warps of two 16-key blocks each at 128 tokens, so that two CTAs fit)
   const int longer = L.TQ > L.TK ? L.TQ : L.TK;
-  const int threads = longer == 128 ? 128 : 2 * longer;
+  const int threads = longer == 128 && D > 64 ? 128 : 2 * longer;
   kern<<<a.B * a.H, threads, L.total, stream>>>(a);
   check_launch("short_attention_bwd", stream);
 }
