@@ -15,6 +15,12 @@ training step runs them, and replayed; the median of five replays):
 
     python benchmarks/bench_attention.py [--tokens 8192] [--lengths 16,32,64,128,256]
 
+With --classes it times the short-sequence kernels per class of lengths as the packed training step launches
+them: packed sentences of --tokens rows whose lengths are drawn from make_wmt_synth.py's source-length law (lognormal,
+plus end-of-sentence) within each class (0, 32], (32, 64], (64, 128], not causal and causal (bf16, dropout 0.1); the
+forward alone and the backward (forward + backward less the forward) in GPU microseconds, and the bytes of the
+tensors each must read and write once (q, k, v, out; and q, k, v, out, dout, dq, dk, dv) over that time.
+
 With --packed MAX (a comma list of longest lengths) it times packed sequences instead (batches of
 sentences back to back, as the packed model runs them; causal, dropout 0.1): for each length T, sentences
 all of T tokens through ops.attention told that the longest is T, and each longer MAX (what a packed shape
@@ -71,6 +77,53 @@ def packed(args):
         print(f"{T:4d} {n:5d} " + " ".join(f"{x:8.3f}" for x in row), flush=True)
 
 
+def classes(args):
+    """Per class of lengths, corpus-like packed sentences (module docstring, --classes)."""
+    import numpy as np
+    import torch
+
+    from ls_fairseq import ops
+    from ls_fairseq.ops.attention import Varlen
+
+    H, D, p = args.heads, args.head_dim, args.p
+    rng = np.random.default_rng(1)
+
+    def lengths(lo, hi):
+        out, total = [], 0
+        while total < args.tokens:
+            n = int(np.clip(np.round(rng.lognormal(3.2, 0.55)), 1, 250)) + 1
+            if lo < n <= hi:
+                out.append(n)
+                total += n
+        return out
+
+    print(f"{'class':>10} {'causal':>6} {'seqs':>5} {'fwd us':>8} {'TB/s':>6} {'bwd us':>8} {'TB/s':>6}")
+    total = 0.0
+    for lo, hi in ((0, 32), (32, 64), (64, 128)):
+        for causal in (False, True):
+            n = lengths(lo, hi)
+            cu = torch.tensor([0] + list(np.cumsum(n)), dtype=torch.int32, device="cuda")
+            rows = int(cu[-1])
+            q, k, v = (torch.randn(1, rows, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                       .requires_grad_(True) for _ in range(3))
+            g = torch.randn_like(q)
+            varlen = Varlen(cu, cu, hi, hi)
+
+            def fwd():
+                return ops.attention(q, k, v, causal=causal, p=p, varlen=varlen)
+
+            def fwd_bwd():
+                torch.autograd.grad(fwd(), (q, k, v), g)
+
+            f = graphed_ms(fwd)
+            b = graphed_ms(fwd_bwd) - f
+            total += f + b
+            tensor = rows * H * D * 2  # bytes of one [rows, H, D] tensor
+            print(f"{f'({lo},{hi}]':>10} {int(causal):6d} {len(n):5d} {f * 1e3:8.1f} {4 * tensor / f / 1e9:6.2f} "
+                  f"{b * 1e3:8.1f} {8 * tensor / b / 1e9:6.2f}", flush=True)
+    print(f"all six, forward + backward: {total:.3f} ms")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -79,7 +132,10 @@ def main():
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--packed", default=None, help="longest lengths the packed kernels are sized for (a list)")
+    ap.add_argument("--classes", action="store_true", help="per class of lengths, corpus-like packed sentences")
     args = ap.parse_args()
+    if args.classes:
+        return classes(args)
     if args.packed:
         return packed(args)
     import torch
