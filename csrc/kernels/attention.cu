@@ -230,8 +230,8 @@ __device__ __forceinline__ void load_keys(uint8_t* att, const ShortAttentionArgs
 // KC 128 at head dims up to 64: at most 128 registers, so that two CTAs of 8 warps fit an SM (unbounded it took
 // 144 and ran one: 16 sentences' heads of 128 tokens at a time)
 template <typename T, int D, int KC>
-__global__ void __launch_bounds__(256, (KC == 128 && D <= 64) ? 2 : 0) short_attention_fwd_kernel(ShortAttentionArgs a, PhiloxArgs rng,
-                                                                   uint32_t threshold) {
+__global__ void __launch_bounds__(256, (KC == 128 && D <= 64) ? 2 : 0)
+    short_attention_fwd_kernel(ShortAttentionArgs a, PhiloxArgs rng, uint32_t threshold) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int LD = Smem<T, D>::LD, NT = KC / 8;
   const Smem<T, D> L(cap_q(a), cap_k(a), false);
@@ -513,7 +513,7 @@ namespace {
 
 // Raises (never lowers) a kernel's dynamic shared-memory limit on the current device to `bytes`: a CUDA graph
 // captured earlier with a larger launch of the same kernel must stay launchable. `allowed`: the kernel's limits so
-// far, per device.
+// far, per device. Also asks for the largest shared-memory carveout (below).
 template <typename K>
 void allow_smem(K* kern, std::atomic<int> (&allowed)[64], size_t bytes) {
   int dev = 0;
@@ -554,8 +554,8 @@ void launch_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
   auto kern = short_attention_bwd_kernel<T, D>;
   static std::atomic<int> allowed[64];
   allow_smem(kern, allowed, L.total);
-  // one warp per 16 keys (the longer length's); D <= 64 holds two CTAs of 8 warps per SM within its 128 registers
-  // (D = 128: 4 warps of two 16-key blocks each at 128 tokens, so that two CTAs fit)
+  // one warp per 16 keys (the longer length's); D <= 64 holds two CTAs of 8 warps per SM within its 128 registers.
+  // D = 128 keeps 4 warps of two 16-key blocks each at 128 tokens, as before the register bound (not measured since)
   const int longer = L.TQ > L.TK ? L.TQ : L.TK;
   const int threads = longer == 128 && D > 64 ? 128 : 2 * longer;
   kern<<<a.B * a.H, threads, L.total, stream>>>(a);
