@@ -84,6 +84,7 @@ def classes(args):
 
     from ls_fairseq import ops
     from ls_fairseq.ops.attention import Varlen
+    from make_wmt_synth import source_lengths
 
     H, D, p = args.heads, args.head_dim, args.p
     rng = np.random.default_rng(1)
@@ -91,7 +92,7 @@ def classes(args):
     def lengths(lo, hi):
         out, total = [], 0
         while total < args.tokens:
-            n = int(np.clip(np.round(rng.lognormal(3.2, 0.55)), 1, 250)) + 1
+            n = int(source_lengths(1, rng)[0]) + 1  # with end-of-sentence
             if lo < n <= hi:
                 out.append(n)
                 total += n

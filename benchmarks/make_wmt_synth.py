@@ -26,8 +26,13 @@ def zipf_sampler(vocab: int, a: float, rng):
     return draw
 
 
+def source_lengths(n, rng, max_len=250):
+    """``n`` source lengths (without end-of-sentence) from the corpus's law."""
+    return np.clip(np.round(rng.lognormal(3.2, 0.55, n)), 1, max_len).astype(np.int64)
+
+
 def lengths(n, rng, max_len=250):
-    src = np.clip(np.round(rng.lognormal(3.2, 0.55, n)), 1, max_len).astype(np.int64)
+    src = source_lengths(n, rng, max_len)
     tgt = np.clip(np.round(src * rng.normal(1.05, 0.15, n)), 1, max_len).astype(np.int64)
     return src, tgt
 
