@@ -125,12 +125,20 @@ def analyze(rec) -> dict:
              for i in captures if i > 0]
     out = {"epoch1": b1 - a1, "epoch2": b2 - a2, "updates": (m1 - n1, m2 - n2), "parts": dict(parts),
            "capture_host": sum(S[i]["capture"] for i in captures), "captures": len(captures), "queue": queue}
+    # epoch 2 against its GPU time: where the GPU waited (host times and GPU times share an origin, as above)
+    start2, end2 = a2 - h_base, b2 - h_base
+    gaps = [S[i]["g0"] - S[i - 1]["g1"] for i in range(n2 + 1, m2)]
+    out["epoch2_gpu"] = {"busy": sum(busy(i) for i in range(n2, m2)),
+                         "idle_start": S[n2]["g0"] - start2, "idle_between": sum(g for g in gaps if g > 0),
+                         "idle_end": end2 - S[m2 - 1]["g1"]}
     out["lines"] = [
         f"epoch 1 {out['epoch1']:.3f} s, epoch 2 {out['epoch2']:.3f} s ({m1 - n1} / {m2 - n2} updates): epoch 1 / "
         f"steady {out['epoch2'] / out['epoch1']:.3f}, {out['epoch1'] - out['epoch2']:.3f} s more",
         f"{len(captures)} captures in epoch 1, {out['capture_host']:.3f} s of host time",
         "GPU time epoch 1 adds over epoch 2's median of each update's bucket:",
         *[f"  {k}: {v:.3f} s" for k, v in sorted(parts.items())],
+        "epoch 2: GPU busy {busy:.3f} s; GPU idle before its first update {idle_start:.3f} s, between updates "
+        "{idle_between:.3f} s, after its last {idle_end:.3f} s".format(**out["epoch2_gpu"]),
         "queued GPU work when a capture began (update, queue ms, capture ms): "
         + ", ".join(f"({u}, {q:.0f}, {c:.0f})" for u, q, c in queue[:40]),
     ]

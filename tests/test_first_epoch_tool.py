@@ -30,9 +30,12 @@ def _record():
     add("B", 20.0, capture_ms=5.0)          # a later capture, hidden: no excess
     e1 = (0.0, t, 0, len(steps))
     n2 = len(steps)
-    for b in ["A"] * 6 + ["B"] * 3:
-        add(b, 10.0 if b == "A" else 20.0)
-    return {"steps": steps, "epochs": [e1, (e1[1], t, n2, len(steps))]}
+    t += 0.007                              # epoch 2 starts; the GPU waits 7 ms for its first update
+    for k, b in enumerate(["A"] * 6 + ["B"] * 3):
+        add(b, 10.0 if b == "A" else 20.0, wait_ms=2.0 if k == 4 else 0.0)  # and 2 ms before its fifth
+        if k == 4:
+            steps[-1]["g0"] += 0.002
+    return {"steps": steps, "epochs": [e1, (e1[1], t + 0.003, n2, len(steps))]}  # ends 3 ms after the GPU
 
 
 def test_first_epoch_analysis_splits_the_extra_time_by_cause():
@@ -44,6 +47,10 @@ def test_first_epoch_analysis_splits_the_extra_time_by_cause():
     assert parts["captures, later"] == pytest.approx(0.0, abs=1e-9)
     assert parts["other updates"] == pytest.approx(0.0, abs=1e-9)
     assert out["captures"] == 2 and out["capture_host"] == pytest.approx(0.035)
-    assert out["epoch1"] == pytest.approx(0.345) and out["epoch2"] == pytest.approx(0.120)
+    assert out["epoch1"] == pytest.approx(0.345) and out["epoch2"] == pytest.approx(0.132)
+    gpu2 = out["epoch2_gpu"]
+    assert gpu2["busy"] == pytest.approx(0.120)
+    assert gpu2["idle_start"] == pytest.approx(0.007) and gpu2["idle_between"] == pytest.approx(0.002)
+    assert gpu2["idle_end"] == pytest.approx(0.003)
     assert out["queue"][0][0] == 1 and out["queue"][0][1] == pytest.approx(0.0, abs=1e-6)  # nothing queued at update 1
     assert any("epoch 1 / steady" in line for line in out["lines"])
