@@ -158,6 +158,13 @@ def bench_adam(n, dt):
     compd = lambda: comp(p, g, m, v, param_lp=lp, **hp)  # noqa: E731
     nbytes = n * (24 + 2 * dt.itemsize)
     rows = [("adam_ (fairseq, +param_lp)", nbytes, (fused, ref, compd))]
+    if dt == torch.bfloat16:  # the split master (bf16 weights + int16 remainders) that ls_adam keeps for bf16
+        from ls_fairseq.ops.adam import split_master
+
+        w, lo = split_master(p)
+        sf = lambda: ops.adam_(w, g, m, v, param_lo=lo, **hp)  # noqa: E731
+        sr = lambda: adam_reference_(w, g, m, v, param_lo=lo, **hp)  # noqa: E731
+        rows.append(("adam_ (fairseq, split bf16 master)", n * (20 + 3 * dt.itemsize), (sf, sr, sr)))
     gn_c = torch.compile(lambda t: t.float().norm(2))
     rows.append(("grad_norm", n * dt.itemsize, (lambda: ops.grad_norm(g), lambda: g.float().norm(2),
                                                 lambda: gn_c(g))))

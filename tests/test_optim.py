@@ -431,16 +431,16 @@ def roundtrip(obj):
     return torch.load(f, weights_only=False)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp16", "memory_efficient"])
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "memory_efficient", "memory_efficient_bf16"])
 def test_state_dict_resume_is_exact(cpu_flat_fp16, mode):
-    dtype = torch.float32 if mode == "fp32" else torch.float16
+    dtype = {"fp32": torch.float32, "memory_efficient_bf16": torch.bfloat16}.get(mode, torch.float16)
 
     def build(params):
         if mode == "fp32":
             return optim.build_optimizer(make_cfg("ls_adam").optimizer, params)
         if mode == "fp16":
             return build_fp16("ls_adam", params)
-        return MemoryEfficientFP16Optimizer.build_optimizer(make_cfg("ls_adam"), params)
+        return MemoryEfficientFP16Optimizer.build_optimizer(make_cfg("ls_adam", bf16=dtype == torch.bfloat16), params)
 
     params = make_params(dtype)
     opt = build(params)
@@ -463,10 +463,11 @@ def test_state_dict_resume_is_exact(cpu_flat_fp16, mode):
     else:
         for p, q in zip(params, resumed):
             assert torch.equal(p, q)
-    if mode == "memory_efficient":
+    if mode.startswith("memory_efficient"):
         assert all("master" in s and s["master"].dtype == torch.float32 for s in ckpt["opt"]["state"].values())
         b1, b2 = opt.optimizer.workspaces[0].buffers[0], opt2.optimizer.workspaces[0].buffers[0]
         assert torch.equal(b1.master, b2.master)
+        assert b1.split == (mode == "memory_efficient_bf16")
 
 
 def test_load_state_dict_applies_lr_override_and_checks_shapes():
@@ -512,3 +513,57 @@ def test_bad_hyperparams_and_params():
         FlatWorkspace([torch.zeros(3, dtype=torch.long)])
     with pytest.raises(ValueError, match="empty parameter list"):
         FlatWorkspace([])
+
+
+def test_split_master_is_exact_and_rounds_to_nearest():
+    """A bf16 master split into (weights, int16 remainders) joins back bit for bit; the weights are the master
+    rounded to nearest, differing from round-to-nearest-even only at exact ties (which go away from zero)."""
+    from ls_fairseq.ops.adam import join_master, split_master
+
+    torch.manual_seed(0)
+    x = torch.randn(200_000) * torch.exp(torch.randn(200_000) * 8)
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -1e-40, 3.3e38, -3.3e38, float("inf"), float("-inf")])
+    ties = (torch.randint(0, 1 << 15, (500,), dtype=torch.int32) * 65536 + 0x8000).view(torch.float32)
+    x = torch.cat([x, specials, ties, -ties])
+    w, lo = split_master(x)
+    assert w.dtype == torch.bfloat16 and lo.dtype == torch.int16
+    assert torch.equal(join_master(w, lo).view(torch.int32), x.view(torch.int32))
+    rne = x.to(torch.bfloat16)
+    differs = w.view(torch.int16) != rne.view(torch.int16)
+    low = x.view(torch.int32) & 0xFFFF
+    assert bool((low[differs] == 0x8000).all())  # only ties differ, and those whose truncation is even do
+    assert int(differs.sum()) == int(((low == 0x8000) & ((x.view(torch.int32) >> 16) & 1 == 0)).sum()) >= 400
+    assert bool((w.float().abs() >= rne.float().abs())[differs].all())  # away from zero
+    with pytest.raises(ValueError, match="float32"):
+        split_master(x.double())
+    with pytest.raises(ValueError, match="int16"):
+        join_master(w, lo.int())
+
+
+def test_bf16_workspace_splits_its_master_and_updates_it_as_fp32():
+    """A bf16 buffer keeps no fp32 master, only int16 remainders; ls_adam's update of it follows the fp32 master's
+    arithmetic exactly, and a write into the weights from outside makes them the master again."""
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (7, 1031, 64)]
+    opt = LSAdam(params, lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
+    buf = opt.workspaces[0].buffers[0]
+    assert buf.split and buf.lo.dtype == torch.int16 and buf.has_separate_master and buf._master is None
+    master = torch.cat([p.detach().float() for p in params])
+    m, v = torch.zeros_like(master), torch.zeros_like(master)
+    for step in range(1, 6):
+        gs = [torch.randn(p.shape).bfloat16() for p in params]
+        for p, g in zip(params, gs):
+            p.grad = g
+        opt.step()
+        adam_reference_(master, torch.cat(gs), m, v, lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.01,
+                        step=step)
+    got = torch.cat([buf.master_state(i).view(-1) for i in range(3)])
+    assert torch.equal(got.view(torch.int32), master.view(torch.int32))
+    from ls_fairseq.ops.adam import split_master
+
+    assert torch.equal(torch.cat([p.detach().view(-1) for p in params]).view(torch.int16),
+                       split_master(master)[0].view(torch.int16))
+    with torch.no_grad():
+        params[1].copy_(torch.ones(1031))
+    opt.workspaces[0].sync()
+    assert torch.equal(buf.master_state(1), torch.ones(1031))

@@ -12,6 +12,12 @@
 // `scale_dev` (optional, device fp32 scalar) multiplies grad_scale, read on the device: a factor that
 // is only known there (loss scale, clip coefficient) needs no host sync; a non-finite factor also
 // skips the step.
+// Split master (bf16 weights): the fp32 master is not stored whole. Its upper half is the bf16 weight itself,
+// rounded to nearest with ties away from zero (an integer add of 0x8000 to the fp32 bit pattern, then its upper
+// 16 bits), and `param_lo` (int16) holds the signed remainder, bits(master) - (bits(weight) << 16), which lies in
+// [-0x8000, 0x7fff]: bits(master) = (bits(weight) << 16) + lo, exactly. The update reads and writes 2 + 2 bytes
+// of master per element instead of 4 + 4 + 2 (fp32 master and the bf16 copy): 26 bytes per element in all
+// against 28. Rounded so, the weight differs from round-to-nearest-even only at exact ties.
 // `sq_out` (optional): the L2 norm of the gradients as read (before grad_scale) over the ranges, summed in the same
 // pass (per-block partials, then one block in a fixed order): the norm without a pass of its own. The step is then
 // never skipped for `norm` (pass none); a non-finite scale_dev still skips the writes, not the sums.
@@ -96,6 +102,79 @@ __device__ __forceinline__ void adam_range(float* __restrict__ param, const G* _
   }
 }
 
+// The split master (header): join the bf16 weight's bits and the int16 remainder into the fp32 master, and back.
+__device__ __forceinline__ float join_master(uint16_t hi, int16_t lo) {
+  return __uint_as_float((uint32_t(hi) << 16) + uint32_t(int32_t(lo)));
+}
+__device__ __forceinline__ void split_master(float p, uint16_t& hi, int16_t& lo) {
+  const uint32_t b = __float_as_uint(p);
+  const uint32_t h = (b + 0x8000u) >> 16;
+  hi = uint16_t(h);
+  lo = int16_t(int32_t(b - (h << 16)));
+}
+
+// adam_range for a split master: `hi` is the bf16 weights (as their bits), `lo` the remainders; `peer` (nullable)
+// receives the new weights too.
+template <typename G, bool VEC, bool SQ>
+__device__ __forceinline__ void adam_split_range(uint16_t* __restrict__ hi, int16_t* __restrict__ lo,
+                                                 const G* __restrict__ grad, float* __restrict__ exp_avg,
+                                                 float* __restrict__ exp_avg_sq, uint16_t* __restrict__ peer,
+                                                 int64_t n, const AdamCoef& c, int64_t tid, int64_t stride,
+                                                 float& sq) {
+  int64_t done = 0;
+  if (VEC) {
+    const int64_t n4 = n / 4;
+    for (int64_t q = tid; q < n4; q += stride) {
+      uint2 th = reinterpret_cast<const uint2*>(hi)[q];
+      uint2 tl = reinterpret_cast<const uint2*>(lo)[q];
+      float4 m = reinterpret_cast<float4*>(exp_avg)[q];
+      float4 v = reinterpret_cast<float4*>(exp_avg_sq)[q];
+      float g[4];
+      if constexpr (sizeof(G) == 4) {
+        float4 t = reinterpret_cast<const float4*>(grad)[q];
+        g[0] = t.x; g[1] = t.y; g[2] = t.z; g[3] = t.w;
+      } else {
+        uint2 t = reinterpret_cast<const uint2*>(grad)[q];
+        const G* h = reinterpret_cast<const G*>(&t);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) g[k] = to_f(h[k]);
+      }
+      if constexpr (SQ) sq += g[0] * g[0] + g[1] * g[1] + g[2] * g[2] + g[3] * g[3];
+      uint16_t* hh = reinterpret_cast<uint16_t*>(&th);
+      int16_t* ll = reinterpret_cast<int16_t*>(&tl);
+      float p[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) p[k] = join_master(hh[k], ll[k]);
+      adam_one<G, __nv_bfloat16>(p[0], g[0], m.x, v.x, c);
+      adam_one<G, __nv_bfloat16>(p[1], g[1], m.y, v.y, c);
+      adam_one<G, __nv_bfloat16>(p[2], g[2], m.z, v.z, c);
+      adam_one<G, __nv_bfloat16>(p[3], g[3], m.w, v.w, c);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) split_master(p[k], hh[k], ll[k]);
+      reinterpret_cast<uint2*>(hi)[q] = th;
+      reinterpret_cast<uint2*>(lo)[q] = tl;
+      reinterpret_cast<float4*>(exp_avg)[q] = m;
+      reinterpret_cast<float4*>(exp_avg_sq)[q] = v;
+      if (peer != nullptr) reinterpret_cast<uint2*>(peer)[q] = th;
+    }
+    done = n4 * 4;
+  }
+  for (int64_t i = done + tid; i < n; i += stride) {
+    float p = join_master(hi[i], lo[i]), m = exp_avg[i], v = exp_avg_sq[i];
+    const float g = to_f(grad[i]);
+    if constexpr (SQ) sq += g * g;
+    adam_one<G, __nv_bfloat16>(p, g, m, v, c);
+    uint16_t h;
+    int16_t l;
+    split_master(p, h, l);
+    hi[i] = h;
+    lo[i] = l;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if (peer != nullptr) peer[i] = h;
+  }
+}
+
 // Up to kMaxRanges ranges of the same flat buffers per launch (a data-parallel rank's owned parts):
 // the kernel walks them in order, every block taking its grid-strided share of each.
 constexpr int kMaxRanges = 64;
@@ -142,12 +221,13 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 // SQ: sq_partial[blockIdx.x] receives the block's sum of squared gradients (written even when the step is skipped).
-template <typename G, typename L, bool SQ>
+// SPLIT: a split master (L is bf16): param_lp holds the weights, param_lo the remainders, param is unused.
+template <typename G, typename L, bool SQ, bool SPLIT>
 __global__ void __launch_bounds__(kAdamThreads)
     adam_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ exp_avg,
-                float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer, FlatRanges r,
-                AdamCoef c, const float* __restrict__ norm, const float* __restrict__ scale_dev,
-                float* __restrict__ sq_partial) {
+                float* __restrict__ exp_avg_sq, L* __restrict__ param_lp, L* __restrict__ param_lp_peer,
+                int16_t* __restrict__ param_lo, FlatRanges r, AdamCoef c, const float* __restrict__ norm,
+                const float* __restrict__ scale_dev, float* __restrict__ sq_partial) {
   bool skip = norm != nullptr && !isfinite(*norm);
   if (scale_dev != nullptr) {
     const float s = *scale_dev;
@@ -175,6 +255,18 @@ __global__ void __launch_bounds__(kAdamThreads)
     const int64_t o = r.lo[k];
     L* lp = param_lp == nullptr ? nullptr : param_lp + o;
     L* peer = param_lp_peer == nullptr ? nullptr : param_lp_peer + o;
+    if constexpr (SPLIT) {
+      static_assert(sizeof(L) == 2, "a split master holds 16-bit weights");
+      uint16_t* hb = reinterpret_cast<uint16_t*>(lp);
+      uint16_t* pb = reinterpret_cast<uint16_t*>(peer);
+      if ((r.vec >> k) & 1)
+        adam_split_range<G, true, SQ>(hb, param_lo + o, grad + o, exp_avg + o, exp_avg_sq + o, pb, r.n[k], c, tid,
+                                      stride, sq);
+      else
+        adam_split_range<G, false, SQ>(hb, param_lo + o, grad + o, exp_avg + o, exp_avg_sq + o, pb, r.n[k], c, tid,
+                                       stride, sq);
+      continue;
+    }
     if ((r.vec >> k) & 1)
       adam_range<G, L, true, SQ>(param + o, grad + o, exp_avg + o, exp_avg_sq + o, lp, peer, r.n[k], c, tid, stride,
                                  sq);
@@ -197,14 +289,15 @@ int64_t adam_norm_workspace(int count) {
   return (int64_t)((count + kMaxRanges - 1) / kMaxRanges) * num_sms() * kAdamBlocksPerSM;
 }
 
-template <typename G, typename L>
-static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, void* peer,
+template <typename G, typename L, bool SPLIT>
+static void launch_adam(float* param, const void* grad, float* m, float* v, void* lp, void* peer, int16_t* lo_buf,
                         const int64_t* bounds, int count, const AdamCoef& c, const float* norm,
                         const float* scale_dev, float* sq_ws, float* sq_out, cudaStream_t stream) {
   const int threads = kAdamThreads;
   int partials = 0;  // sq_out: the per-block sums written so far
   const auto vec_ok = [&](int64_t lo) {
-    return aligned16(param + lo) && aligned16(m + lo) && aligned16(v + lo) &&
+    return (SPLIT ? (uintptr_t)(lo_buf + lo) % 8 == 0 : aligned16(param + lo)) && aligned16(m + lo) &&
+           aligned16(v + lo) &&
            ((uintptr_t)(static_cast<const G*>(grad) + lo) % (4 * sizeof(G)) == 0) &&
            (lp == nullptr || (uintptr_t)(static_cast<L*>(lp) + lo) % (4 * sizeof(L)) == 0) &&
            (peer == nullptr || (uintptr_t)(static_cast<L*>(peer) + lo) % (4 * sizeof(L)) == 0);
@@ -217,14 +310,14 @@ static void launch_adam(float* param, const void* grad, float* m, float* v, void
     const int blocks = (int)std::max<int64_t>(
         1, std::min<int64_t>((total / 4 + threads - 1) / threads, (int64_t)num_sms() * kAdamBlocksPerSM));
     if (sq_out != nullptr) {
-      adam_kernel<G, L, true><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                              static_cast<L*>(lp), static_cast<L*>(peer), r, c, norm,
-                                                              scale_dev, sq_ws + partials);
+      adam_kernel<G, L, true, SPLIT><<<blocks, threads, 0, stream>>>(
+          param, static_cast<const G*>(grad), m, v, static_cast<L*>(lp), static_cast<L*>(peer), lo_buf, r, c, norm,
+          scale_dev, sq_ws + partials);
       partials += blocks;
     } else {
-      adam_kernel<G, L, false><<<blocks, threads, 0, stream>>>(param, static_cast<const G*>(grad), m, v,
-                                                               static_cast<L*>(lp), static_cast<L*>(peer), r, c, norm,
-                                                               scale_dev, nullptr);
+      adam_kernel<G, L, false, SPLIT><<<blocks, threads, 0, stream>>>(
+          param, static_cast<const G*>(grad), m, v, static_cast<L*>(lp), static_cast<L*>(peer), lo_buf, r, c, norm,
+          scale_dev, nullptr);
     }
     LS_CHECK_LAUNCH("adam_step", stream);
   }
@@ -234,10 +327,32 @@ static void launch_adam(float* param, const void* grad, float* m, float* v, void
   }
 }
 
+static AdamCoef adam_coef(const AdamArgs& a);
+
 void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                       void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs a,
                       const float* norm, const float* scale_dev, float* sq_ws, float* sq_out, cudaStream_t stream) {
   if (count <= 0) return;
+  const AdamCoef c = adam_coef(a);
+  LS_DISPATCH(grad_dt, G, {
+    LS_DISPATCH(lp_dt, L, launch_adam<G, L, false>(param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, nullptr,
+                                                   bounds, count, c, norm, scale_dev, sq_ws, sq_out, stream));
+  });
+}
+
+void adam_step_split_ranges(DType grad_dt, void* weights, int16_t* lo, const void* grad, float* exp_avg,
+                            float* exp_avg_sq, void* weights_peer, const int64_t* bounds, int count, AdamArgs a,
+                            const float* norm, const float* scale_dev, float* sq_ws, float* sq_out,
+                            cudaStream_t stream) {
+  if (count <= 0) return;
+  const AdamCoef c = adam_coef(a);
+  LS_DISPATCH(grad_dt, G, {
+    launch_adam<G, __nv_bfloat16, true>(nullptr, grad, exp_avg, exp_avg_sq, weights, weights_peer, lo, bounds, count,
+                                        c, norm, scale_dev, sq_ws, sq_out, stream);
+  });
+}
+
+static AdamCoef adam_coef(const AdamArgs& a) {
   const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
   const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
   AdamCoef c;
@@ -251,10 +366,7 @@ void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad
     c.step_size = (float)(a.lr * std::sqrt(bc2) / bc1);
     c.inv_sqrt_bc2 = 1.f;
   }
-  LS_DISPATCH(grad_dt, G, {
-    LS_DISPATCH(lp_dt, L, launch_adam<G, L>(param, grad, exp_avg, exp_avg_sq, param_lp, param_lp_peer, bounds, count,
-                                                     c, norm, scale_dev, sq_ws, sq_out, stream));
-  });
+  return c;
 }
 
 // ================================================================ grad norm

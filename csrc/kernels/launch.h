@@ -140,6 +140,13 @@ struct AdamArgs {
 void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                       void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs args,
                       const float* norm, const float* scale_dev, float* sq_ws, float* sq_out, cudaStream_t stream);
+// The same update for bf16 weights whose fp32 master is split (adam.cu's header): `weights` (bf16) are the
+// master's upper halves and the weights the model reads, `lo` (int16) the remainders; weights_peer (nullable) as
+// param_lp_peer above. Every other argument as adam_step_ranges's.
+void adam_step_split_ranges(DType grad_dt, void* weights, int16_t* lo, const void* grad, float* exp_avg,
+                            float* exp_avg_sq, void* weights_peer, const int64_t* bounds, int count, AdamArgs args,
+                            const float* norm, const float* scale_dev, float* sq_ws, float* sq_out,
+                            cudaStream_t stream);
 int64_t adam_norm_workspace(int count);
 int64_t grad_norm_workspace();
 // out = the L2 norm (fp32 scalar) of the union of `count` ranges [bounds[2k], bounds[2k+1]) of grad ({0, n}: all

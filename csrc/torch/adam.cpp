@@ -35,7 +35,7 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
                int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite,
                const OptTensor& grad_scale_tensor, const OptTensor& param_lp_peer,
-               const std::vector<int64_t>& ranges, const OptTensor& norm_out) {
+               const std::vector<int64_t>& ranges, const OptTensor& norm_out, const OptTensor& param_lo) {
   const char* op = "adam_step";
   const int64_t n = param.numel();
   for (const Tensor* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
@@ -43,7 +43,17 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
     LS_CHECK_SAME_DEVICE(op, param, *t);
     LS_CHECK(t->numel() == n, op, ": buffer sizes differ (", t->numel(), " vs ", n, ")");
   }
-  LS_CHECK_DTYPE(op, param, at::kFloat);
+  const bool split = present(param_lo);  // param: bf16 weights, the upper halves of a split fp32 master
+  if (split) {
+    LS_CHECK_INPUT(op, *param_lo);
+    LS_CHECK_SAME_DEVICE(op, param, *param_lo);
+    LS_CHECK(param_lo->numel() == n, op, ": param_lo has ", param_lo->numel(), " elements, param has ", n);
+    LS_CHECK_DTYPE(op, *param_lo, at::kShort);
+    LS_CHECK_DTYPE(op, param, at::kBFloat16);
+    LS_CHECK(!present(param_lp), op, ": with param_lo, param is the bf16 weights themselves; pass no param_lp");
+  } else {
+    LS_CHECK_DTYPE(op, param, at::kFloat);
+  }
   LS_CHECK_DTYPE(op, exp_avg, at::kFloat);
   LS_CHECK_DTYPE(op, exp_avg_sq, at::kFloat);
   LS_CHECK(step >= 1, op, ": step must be >= 1, got ", step);
@@ -55,13 +65,15 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
     LS_CHECK(param_lp->numel() == n, op, ": param_lp has ", param_lp->numel(), " elements, param has ", n);
     ldt = to_dtype(op, *param_lp);
   }
+  if (split) ldt = ls::DType::BF16;
   if (present(param_lp_peer)) {  // a peer GPU's copy, mapped into this device's address space
     LS_CHECK_INPUT(op, *param_lp_peer);
     LS_CHECK_SAME_DEVICE(op, param, *param_lp_peer);
     LS_CHECK(param_lp_peer->numel() == n, op, ": param_lp_peer has ", param_lp_peer->numel(),
              " elements, param has ", n);
     LS_CHECK(to_dtype(op, *param_lp_peer) == ldt, op, ": param_lp_peer must have ",
-             present(param_lp) ? param_lp->scalar_type() : at::kFloat, ", got ", param_lp_peer->scalar_type());
+             present(param_lp) ? param_lp->scalar_type() : param.scalar_type(), ", got ",
+             param_lp_peer->scalar_type());
   }
   const float* norm = device_scalar(op, "skip_if_nonfinite", skip_if_nonfinite, param);
   const float* scale_dev = device_scalar(op, "grad_scale_tensor", grad_scale_tensor, param);
@@ -80,6 +92,14 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
   ls::AdamArgs a{(float)lr, (float)beta1, (float)beta2, (float)eps, (float)weight_decay, (float)grad_scale, step,
                  torch_mode};
   launch(op, [&] {
+    if (split) {
+      ls::adam_step_split_ranges(gdt, param.data_ptr(), param_lo->data_ptr<int16_t>(), grad.data_ptr(),
+                                 exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                                 present(param_lp_peer) ? param_lp_peer->data_ptr() : nullptr, bounds.data(),
+                                 (int)(bounds.size() / 2), a, norm, scale_dev,
+                                 sq_out == nullptr ? nullptr : sq_ws.data_ptr<float>(), sq_out, stream());
+      return;
+    }
     ls::adam_step_ranges(gdt, ldt, param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
                          exp_avg_sq.data_ptr<float>(), present(param_lp) ? param_lp->data_ptr() : nullptr,
                          present(param_lp_peer) ? param_lp_peer->data_ptr() : nullptr, bounds.data(),

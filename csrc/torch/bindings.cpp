@@ -78,7 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_lp") = none, py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale"),
         py::arg("torch_mode"), py::arg("skip_if_nonfinite") = none, py::arg("grad_scale_tensor") = none,
-        py::arg("param_lp_peer") = none, py::arg("ranges") = std::vector<int64_t>{}, py::arg("norm_out") = none);
+        py::arg("param_lp_peer") = none, py::arg("ranges") = std::vector<int64_t>{}, py::arg("norm_out") = none,
+        py::arg("param_lo") = none);
   m.def("grad_norm", guarded(&grad_norm), "L2 norm of a flat buffer, or of ranges of it (fp32 scalar tensor)",
         py::arg("grad"), py::arg("ranges") = std::vector<int64_t>{});
 

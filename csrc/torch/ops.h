@@ -63,7 +63,7 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
                const OptTensor& param_lp, double lr, double beta1, double beta2, double eps, double weight_decay,
                int64_t step, double grad_scale, bool torch_mode, const OptTensor& skip_if_nonfinite,
                const OptTensor& grad_scale_tensor, const OptTensor& param_lp_peer,
-               const std::vector<int64_t>& ranges, const OptTensor& norm_out);
+               const std::vector<int64_t>& ranges, const OptTensor& norm_out, const OptTensor& param_lo);
 // ranges: flattened [lo, hi) pairs (ascending, disjoint) that the step / the norm covers; empty: everything.
 Tensor grad_norm(const Tensor& grad, const std::vector<int64_t>& ranges);
 

@@ -187,15 +187,15 @@ def _register():
         return [_empty(logits, (), f), _empty(logits, (), f)]
 
     @op(f"{_LIB}::adam_step",
-        mutates_args=("param", "exp_avg", "exp_avg_sq", "param_lp", "param_lp_peer", "norm_out"))
+        mutates_args=("param", "exp_avg", "exp_avg_sq", "param_lp", "param_lp_peer", "norm_out", "param_lo"))
     def adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param_lp: Optional[Tensor],
                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                   grad_scale: float, torch_mode: bool, skip_if_nonfinite: Optional[Tensor],
                   grad_scale_tensor: Optional[Tensor], param_lp_peer: Optional[Tensor], ranges: List[int],
-                  norm_out: Optional[Tensor]) -> None:
+                  norm_out: Optional[Tensor], param_lo: Optional[Tensor]) -> None:
         _mod().adam_step(param, grad, exp_avg, exp_avg_sq, param_lp, lr, beta1, beta2, eps, weight_decay, step,
                          grad_scale, torch_mode, skip_if_nonfinite, grad_scale_tensor, param_lp_peer, ranges,
-                         norm_out)
+                         norm_out, param_lo)
 
     @adam_step.register_fake
     def _(*args):

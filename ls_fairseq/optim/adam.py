@@ -1,8 +1,9 @@
 """LSAdam: Adam over a flat workspace, one fused ``adam_`` call per dtype buffer.
 
 Mixed precision. fp16 / bf16 parameters are updated through fp32 master weights kept in
-the workspace; ``adam_`` rewrites the low-precision copy in the same pass. fp32
-parameters are their own master (no copy).
+the workspace; ``adam_`` rewrites the low-precision copy in the same pass. A bf16 master is
+split: the weights are its upper halves and an int16 buffer holds the rest
+(:class:`~ls_fairseq.optim.workspace.FlatBuffer`). fp32 parameters are their own master (no copy).
 
 Deferred gradient scaling. ``multiply_grads(c)`` and gradient clipping do not touch the
 gradient buffers: they multiply a pending factor that is handed to ``adam_`` as
@@ -42,7 +43,8 @@ Every method of this class that reads or writes weights or state waits for all o
 State dict. Standard layout: ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
 "param_groups": [...]}`` with one entry per parameter (tensors are views of the flat
 buffers; ``torch.save`` stores each buffer once). ``master`` is present for fp16 / bf16
-parameters, so a checkpoint resumes exactly even when it holds only low-precision weights.
+parameters, so a checkpoint resumes exactly even when it holds only low-precision weights; for
+bf16 it is the split master joined into fp32 copies on the CPU, the same layout as fp16's.
 """
 
 import logging
@@ -204,29 +206,29 @@ class LSAdam(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             works = []
             for buf in ws.buffers:
-                dev_factor = None if factor is None else factor.to(buf.master.device)
+                dev_factor = None if factor is None else factor.to(buf.device)
                 kw = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                           weight_decay=group["weight_decay"], step=self._steps[gi], grad_scale=grad_scale,
                           mode=group["mode"], grad_scale_tensor=dev_factor)
                 parts = self._shard.parts.get(id(buf)) if self._shard is not None else None
                 if parts is None:
-                    norm = adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=buf.param_lp,
-                                 with_norm=with_norm, **kw)
+                    target, extra = buf.adam_buffers()
+                    norm = adam_(target, buf.grad, buf.exp_avg, buf.exp_avg_sq, with_norm=with_norm, **extra, **kw)
                     if with_norm:
                         norms.append(norm)
                     continue
-                lp = buf.param_lp
                 defer = self._shard.defer
                 peer = self._shard.peers.get(id(buf)) if self._shard.peers else None
                 if peer is not None:
                     # one launch for all owned parts; it writes them on the peer too, so nothing is gathered
-                    adam_(buf.master, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp=lp, param_lp_peer=peer,
-                          ranges=self._shard.ranges[id(buf)], **kw)
+                    target, extra = buf.adam_buffers()
+                    adam_(target, buf.grad, buf.exp_avg, buf.exp_avg_sq, param_lp_peer=peer,
+                          ranges=self._shard.ranges[id(buf)], **extra, **kw)
                     self._stale = True
                     continue
                 for start, end, lo, hi in parts:
-                    adam_(buf.master[lo:hi], buf.grad[lo:hi], buf.exp_avg[lo:hi], buf.exp_avg_sq[lo:hi],
-                          param_lp=None if lp is None else lp[lo:hi], **kw)
+                    target, extra = buf.adam_buffers(lo, hi)
+                    adam_(target, buf.grad[lo:hi], buf.exp_avg[lo:hi], buf.exp_avg_sq[lo:hi], **extra, **kw)
                     # the new weights of this bucket go out while Adam runs on the next one
                     work = dist.all_gather_into_tensor(buf.param[start:end], buf.param[lo:hi],
                                                        group=self._shard.group, async_op=True)
@@ -335,7 +337,11 @@ class LSAdam(torch.optim.Optimizer):
         for ws in self._workspaces:
             ws.sync()
             for buf in ws.buffers:
-                kinds = [buf.exp_avg, buf.exp_avg_sq] + ([buf.master] if buf.has_separate_master else [])
+                # a split master's upper halves are the weights, which every rank holds whole already; its int16
+                # remainders travel as 2-byte bf16 (NCCL and gloo gather no int16; the gather copies bits)
+                master = [buf.lo.view(torch.bfloat16)] if buf.split else \
+                    [buf._master] if buf.has_separate_master else []
+                kinds = [buf.exp_avg, buf.exp_avg_sq] + master
                 for start, end, lo, hi in self._shard.parts.get(id(buf), ()):
                     for t in kinds:
                         works.append(dist.all_gather_into_tensor(t[start:end], t[lo:hi], group=self._shard.group,
@@ -368,8 +374,8 @@ class LSAdam(torch.optim.Optimizer):
                     "exp_avg": buf.slice(buf.exp_avg, i),
                     "exp_avg_sq": buf.slice(buf.exp_avg_sq, i),
                 }
-                if buf.has_separate_master:
-                    entry["master"] = buf.slice(buf.master, i)
+                if buf.has_separate_master:  # a split master: a joined copy, on the CPU (it is saved from there)
+                    entry["master"] = buf.master_state(i, device="cpu" if buf.split else None)
                 state[idx] = entry
                 ids.append(idx)
                 idx += 1
@@ -412,7 +418,7 @@ class LSAdam(torch.optim.Optimizer):
                 buf.slice(buf.exp_avg, i).copy_(entry["exp_avg"].reshape(p.shape))
                 buf.slice(buf.exp_avg_sq, i).copy_(entry["exp_avg_sq"].reshape(p.shape))
                 if "master" in entry:
-                    buf.slice(buf.master, i).copy_(entry["master"].reshape(p.shape))
+                    buf.set_master_slice(i, entry["master"])
                 steps.add(int(entry["step"]))
             if len(steps) > 1:
                 logger.warning("ls_adam: per-parameter step counts differ (%s); using the largest", sorted(steps))
@@ -421,8 +427,8 @@ class LSAdam(torch.optim.Optimizer):
                 if k != "params":
                     group[k] = tuple(v) if k == "betas" else v
             for buf in ws.buffers:
-                if buf.has_separate_master:
-                    buf.param.copy_(buf.master)  # the low-precision weights follow the master
+                if buf.has_separate_master and not buf.split:
+                    buf.param.copy_(buf._master)  # the low-precision weights follow the master
             ws.mark_params_written()
         self._grad_factor = 1.0
         self._synced = False

@@ -7,7 +7,11 @@ For every (device, dtype) among the parameters the workspace owns:
              ``p.grad`` is a view of its slice (between ``zero_grad`` and the next sync,
              ``p.grad`` is None or the tensor autograd produced);
 * ``master`` fp32 master weights. For fp32 parameters this IS ``param`` (no copy);
-             for fp16 / bf16 parameters it is a separate fp32 buffer;
+             for fp16 parameters it is a separate fp32 buffer; for bf16 parameters it is split
+             (:func:`ls_fairseq.ops.adam.split_master`): ``param`` holds its upper halves (the
+             master rounded to nearest) and ``lo``, an int16 buffer, the rest, so that the master
+             costs 2 bytes per weight beyond the weights instead of 4 (``master`` then reads as a
+             joined fp32 copy; write it through :meth:`FlatBuffer.set_master_slice`);
 * ``exp_avg``, ``exp_avg_sq`` fp32 optimizer moments.
 
 Each parameter starts on a :data:`ALIGN_BYTES` boundary so kernels that read a parameter
@@ -26,6 +30,8 @@ from collections import OrderedDict
 from typing import Dict, Iterable, List, Tuple
 
 import torch
+
+from ls_fairseq.ops.adam import join_master, split_master
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +73,73 @@ class FlatBuffer:
                 self.param[o:o + k].copy_(p.data.reshape(-1))
                 if p.grad is not None:
                     self.grad[o:o + k].copy_(p.grad.reshape(-1))
+            self.lo = None
             if dtype == torch.float32:
-                self.master = self.param
+                self._master = self.param
+            elif dtype == torch.bfloat16:
+                self._master = None
+                self.lo = torch.zeros(n, dtype=torch.int16, device=device)  # the master is the weights exactly
             else:
-                self.master = self.param.float()
+                self._master = self.param.float()
             self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
             self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
         self._attach_all()
 
     @property
     def has_separate_master(self) -> bool:
-        return self.master is not self.param
+        return self._master is not self.param
+
+    @property
+    def split(self) -> bool:
+        """Whether the fp32 master is split between ``param`` and ``lo`` (bf16 weights)."""
+        return self.lo is not None
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The fp32 master weights: the buffer itself (fp32, fp16), or a joined copy of a split master (bf16)."""
+        if self.split:
+            return join_master(self.param, self.lo)
+        return self._master
 
     @property
     def param_lp(self):
         """The low-precision copy adam_ rewrites after the update, or None for fp32."""
         return self.param if self.has_separate_master else None
+
+    def adam_buffers(self, lo: int = 0, hi: int = None):
+        """(the tensor ``adam_`` updates, its keyword arguments for the master's other parts) over [lo, hi)."""
+        sl = slice(lo, hi)
+        if self.split:
+            return self.param[sl], {"param_lo": self.lo[sl]}
+        lp = self.param_lp
+        return self._master[sl], {"param_lp": None if lp is None else lp[sl]}
+
+    def master_state(self, i: int, device=None) -> torch.Tensor:
+        """Parameter i's fp32 master weights, shaped like it: a view of the master buffer, or for a split master
+        a joined copy (on ``device``, default the buffer's)."""
+        if not self.split:
+            return self.slice(self._master, i)
+        o, k = self.offsets[i]
+        out = torch.empty(k, dtype=torch.float32, device=self.device if device is None else device)
+        return join_master(self.param[o:o + k], self.lo[o:o + k], out=out).view(self.shapes[i])
+
+    @torch.no_grad()
+    def set_master_slice(self, i: int, values: torch.Tensor) -> None:
+        """Set parameter i's fp32 master weights to ``values`` (its weights follow for a split master; for an fp16
+        master the caller copies the weights afterwards, as :meth:`LSAdam.load_state_dict` does)."""
+        o, k = self.offsets[i]
+        values = values.reshape(-1).to(device=self.device, dtype=torch.float32)
+        if self.split:
+            split_master(values, out=(self.param[o:o + k], self.lo[o:o + k]))
+        else:
+            self._master[o:o + k].copy_(values)
+
+    def _reset_master(self, o: int, k: int) -> None:
+        """After the weights [o, o + k) were written from outside: the master takes their values exactly."""
+        if self.split:
+            self.lo[o:o + k].zero_()
+        elif self.has_separate_master:
+            self._master[o:o + k].copy_(self.param[o:o + k])
 
     # ------------------------------------------------------------------ views
     def param_view(self, i: int) -> torch.Tensor:
@@ -211,13 +268,12 @@ class FlatBuffer:
                             "rebuild the optimizer after resizing parameters"
                         )
                     self.param[o:o + k].copy_(p.data.reshape(-1))
-                    if self.has_separate_master:
-                        self.master[o:o + k].copy_(p.data.reshape(-1))
+                    self._reset_master(o, k)
                     p.data = self.param_view(i)
                     fixed = True
                 elif self.has_separate_master and p._version != self._versions[i]:
                     # written in place from outside (e.g. Module.load_state_dict): refresh the master
-                    self.master[o:o + k].copy_(self.param[o:o + k])
+                    self._reset_master(o, k)
                     fixed = True
                 if self._adopt_grad(i, pending if keep_grads else None):
                     fixed = True
@@ -299,8 +355,8 @@ class FlatBuffer:
                              f"{storage.device}")
         if storage.data_ptr() != self.param.data_ptr():
             storage.copy_(self.param)
-        if self.master is self.param:
-            self.master = storage
+        if self._master is self.param:
+            self._master = storage
         self.param = storage
         self.storage_owner = keep_alive
         for i, p in enumerate(self.params):

@@ -289,3 +289,67 @@ def test_norm_in_the_step_reports_a_nonfinite_gradient_and_a_skipped_scale(bad):
     with pytest.raises(ValueError, match="exclude each other"):
         adam_(p, g, m, v, step=1, skip_if_nonfinite=norm, with_norm=True, **HP)
     assert adam_(p, g, m, v, step=1, ranges=[], with_norm=True, **HP).item() == 0.0
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_adam_split_master_equals_the_fp32_master_bit_for_bit(n, grad_dtype, offset):
+    """bf16 weights + int16 remainders (param_lo) updated by the fused kernel hold exactly the fp32 master the plain
+    fused kernel computes from the same start, and the weights are that master split (ties away from zero); the
+    peer copy receives the weights, and the norm summed in the pass is the plain kernel's."""
+    from ls_fairseq.ops.adam import join_master, split_master
+
+    torch.manual_seed(n + offset)
+    p0 = torch.randn(n, device="cuda") * torch.exp(torch.randn(n, device="cuda") * 3)
+    master = p0.clone()
+    m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    w_full = torch.zeros(n + offset, device="cuda", dtype=torch.bfloat16)
+    lo_full = torch.zeros(n + offset, device="cuda", dtype=torch.int16)
+    w, lo = w_full[offset:], lo_full[offset:]
+    split_master(p0, out=(w, lo))
+    m2, v2 = m.clone(), v.clone()
+    peer = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    for step in range(1, 6):
+        g = (torch.randn(n, device="cuda") * 0.1).to(grad_dtype)
+        n_plain = adam_(master, g, m, v, step=step, grad_scale=0.5, mode="fairseq", with_norm=True, **HP)
+        n_split = adam_(w, g, m2, v2, step=step, grad_scale=0.5, mode="fairseq", with_norm=True, param_lo=lo,
+                        param_lp_peer=peer, **HP)
+        assert torch.equal(n_plain, n_split)
+    assert torch.equal(join_master(w, lo).view(torch.int32), master.view(torch.int32))
+    want_w, want_lo = split_master(master)
+    assert torch.equal(w.view(torch.int16), want_w.view(torch.int16)) and torch.equal(lo, want_lo)
+    assert torch.equal(peer.view(torch.int16), w.view(torch.int16))
+    assert torch.equal(m, m2) and torch.equal(v, v2)
+    # a non-finite device factor skips the step: nothing is written
+    before = [t.clone() for t in (w, lo, m2, v2, peer)]
+    adam_(w, g, m2, v2, step=6, param_lo=lo, param_lp_peer=peer, grad_scale_tensor=torch.tensor(float("inf"),
+                                                                                             device="cuda"), **HP)
+    for x, y in zip((w, lo, m2, v2, peer), before):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("count", [1, 150])
+def test_adam_split_master_ranges_and_reference(count):
+    """With ranges, the split kernel updates only them, as the reference (join, fp32 update, split) does; outside
+    them nothing changes."""
+    n = 1_000_003
+    torch.manual_seed(count)
+    ranges = _ranges(n, count, seed=count)
+    from ls_fairseq.ops.adam import join_master, split_master
+
+    w0, lo0 = split_master(torch.randn(n, device="cuda"))
+    m0, v0 = torch.rand(n, device="cuda"), torch.rand(n, device="cuda")
+    g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    a = [w0.clone(), lo0.clone(), m0.clone(), v0.clone()]
+    b = [t.clone() for t in a]
+    adam_(a[0], g, a[2], a[3], step=3, grad_scale=0.5, param_lo=a[1], ranges=ranges, **HP)
+    adam_reference_(b[0], g, b[2], b[3], step=3, grad_scale=0.5, param_lo=b[1], ranges=ranges, **HP)
+    torch.testing.assert_close(join_master(a[0], a[1]), join_master(b[0], b[1]), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(a[2], b[2], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(a[3], b[3], rtol=1e-5, atol=1e-12)
+    inside = torch.zeros(n, dtype=torch.bool, device="cuda")
+    for lo, hi in ranges:
+        inside[lo:hi] = True
+    assert torch.equal(a[0][~inside].view(torch.int16), w0[~inside].view(torch.int16))
+    assert torch.equal(a[1][~inside], lo0[~inside]) and torch.equal(a[2][~inside], m0[~inside])
