@@ -1,6 +1,7 @@
 """GPU time of one call, shared by the op benchmarks (bench_ops.py, bench_attention.py)."""
 
 import statistics
+import sys
 
 import torch
 
@@ -23,7 +24,11 @@ def graphed_ms(fn, reps: int = 10, rounds: int = 5) -> float:
                 fn()
         graph.replay()  # the first replay uploads the graph
         run = graph.replay
-    except RuntimeError:  # e.g. a library call that refuses capture
+    except RuntimeError as e:  # e.g. a library call that refuses capture
+        # said on stderr: eager times of short kernels include the host's launch latency
+        print(f"_timing: {getattr(fn, '__name__', 'the call')} could not be captured in a CUDA graph ({e}); timed "
+              "eagerly, launch latency included", file=sys.stderr, flush=True)
+
         def run():
             for _ in range(reps):
                 fn()
