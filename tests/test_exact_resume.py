@@ -13,10 +13,10 @@ from _models import inner_by_update, lightseq_train
 # data_bin (tests/conftest.py): 240 pairs, which make 9 batches an epoch at --max-tokens 300
 
 
-def _train(data, save_dir, max_update, dropout, update_freq):
+def _train(data, save_dir, max_update, dropout, update_freq, *extra):
     """lightseq-train in this process (a resume is lightseq-train started again on the same --save-dir; a
     process of its own adds nothing that is checked here); {update: its train_inner record}."""
-    records = lightseq_train([
+    records = lightseq_train([*extra,
         data, "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3", "--criterion",
         "ls_label_smoothed_cross_entropy", "--max-tokens", "300", "--cpu", "--num-workers", "0", "--seed", "3",
         "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints", "--disable-validation",
@@ -73,3 +73,18 @@ def test_resume_with_update_freq_2(data_bin, tmp_path):
     second = _train(data_bin, d, 8, 0.0, 2)
     assert min(second) == 7
     _assert_same_run(straight, tmp_path / "straight", [first, second], d)
+
+
+@pytest.mark.slow
+def test_resume_in_bf16_keeps_the_split_master(data_bin, tmp_path):
+    """bf16: ls_adam's master is split between the weights and an int16 buffer; the checkpoint holds it joined in
+    fp32, and the resumed run splits it again: the same losses and weights as the straight run."""
+    straight = _train(data_bin, tmp_path / "straight", 6, 0.1, 1, "--bf16")
+    d = tmp_path / "resumed"
+    first = _train(data_bin, d, 4, 0.1, 1, "--bf16")
+    second = _train(data_bin, d, 6, 0.1, 1, "--bf16")
+    assert min(second) == 5
+    _assert_same_run(straight, tmp_path / "straight", [first, second], d)
+    opt = torch.load(os.path.join(d, "checkpoint_last.pt"), map_location="cpu", weights_only=False)
+    masters = [e["master"] for e in opt["last_optimizer_state"]["state"].values() if "master" in e]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
