@@ -43,6 +43,21 @@ __device__ __forceinline__ void adam_one(float& p, float g_raw, float& m, float&
   p = p * c.decay_mul - c.step_size * m / denom;
 }
 
+// Gradients 4q .. 4q + 3 into g (fp32); SQ: their squares added to sq.
+template <typename G, bool SQ>
+__device__ __forceinline__ void load_grad4(const G* __restrict__ grad, int64_t q, float (&g)[4], float& sq) {
+  if constexpr (sizeof(G) == 4) {
+    float4 t = reinterpret_cast<const float4*>(grad)[q];
+    g[0] = t.x; g[1] = t.y; g[2] = t.z; g[3] = t.w;
+  } else {
+    uint2 t = reinterpret_cast<const uint2*>(grad)[q];
+    const G* h = reinterpret_cast<const G*>(&t);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) g[k] = to_f(h[k]);
+  }
+  if constexpr (SQ) sq += g[0] * g[0] + g[1] * g[1] + g[2] * g[2] + g[3] * g[3];
+}
+
 // One range [lo, lo + n) of the flat buffers, grid-strided. VEC: every pointer of the range is aligned for
 // 4-wide loads and stores (decided on the host per range, so the branch is uniform over the grid).
 // SQ: also add the squares of the gradients read into `sq`.
@@ -59,16 +74,7 @@ __device__ __forceinline__ void adam_range(float* __restrict__ param, const G* _
       float4 m = reinterpret_cast<float4*>(exp_avg)[q];
       float4 v = reinterpret_cast<float4*>(exp_avg_sq)[q];
       float g[4];
-      if constexpr (sizeof(G) == 4) {
-        float4 t = reinterpret_cast<const float4*>(grad)[q];
-        g[0] = t.x; g[1] = t.y; g[2] = t.z; g[3] = t.w;
-      } else {
-        uint2 t = reinterpret_cast<const uint2*>(grad)[q];
-        const G* h = reinterpret_cast<const G*>(&t);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) g[k] = to_f(h[k]);
-      }
-      if constexpr (SQ) sq += g[0] * g[0] + g[1] * g[1] + g[2] * g[2] + g[3] * g[3];
+      load_grad4<G, SQ>(grad, q, g, sq);
       adam_one<G, L>(p.x, g[0], m.x, v.x, c);
       adam_one<G, L>(p.y, g[1], m.y, v.y, c);
       adam_one<G, L>(p.z, g[2], m.z, v.z, c);
@@ -130,16 +136,7 @@ __device__ __forceinline__ void adam_split_range(uint16_t* __restrict__ hi, int1
       float4 m = reinterpret_cast<float4*>(exp_avg)[q];
       float4 v = reinterpret_cast<float4*>(exp_avg_sq)[q];
       float g[4];
-      if constexpr (sizeof(G) == 4) {
-        float4 t = reinterpret_cast<const float4*>(grad)[q];
-        g[0] = t.x; g[1] = t.y; g[2] = t.z; g[3] = t.w;
-      } else {
-        uint2 t = reinterpret_cast<const uint2*>(grad)[q];
-        const G* h = reinterpret_cast<const G*>(&t);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) g[k] = to_f(h[k]);
-      }
-      if constexpr (SQ) sq += g[0] * g[0] + g[1] * g[1] + g[2] * g[2] + g[3] * g[3];
+      load_grad4<G, SQ>(grad, q, g, sq);
       uint16_t* hh = reinterpret_cast<uint16_t*>(&th);
       int16_t* ll = reinterpret_cast<int16_t*>(&tl);
       float p[4];
