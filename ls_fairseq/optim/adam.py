@@ -418,7 +418,7 @@ class LSAdam(torch.optim.Optimizer):
                 buf.slice(buf.exp_avg, i).copy_(entry["exp_avg"].reshape(p.shape))
                 buf.slice(buf.exp_avg_sq, i).copy_(entry["exp_avg_sq"].reshape(p.shape))
                 if "master" in entry:
-                    buf.set_master_slice(i, entry["master"])
+                    buf.set_master_state(i, entry["master"])
                 steps.add(int(entry["step"]))
             if len(steps) > 1:
                 logger.warning("ls_adam: per-parameter step counts differ (%s); using the largest", sorted(steps))

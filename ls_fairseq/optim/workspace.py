@@ -11,7 +11,7 @@ For every (device, dtype) among the parameters the workspace owns:
              (:func:`ls_fairseq.ops.adam.split_master`): ``param`` holds its upper halves (the
              master rounded to nearest) and ``lo``, an int16 buffer, the rest, so that the master
              costs 2 bytes per weight beyond the weights instead of 4 (``master`` then reads as a
-             joined fp32 copy; write it through :meth:`FlatBuffer.set_master_slice`);
+             joined fp32 copy; write it through :meth:`FlatBuffer.set_master_state`);
 * ``exp_avg``, ``exp_avg_sq`` fp32 optimizer moments.
 
 Each parameter starts on a :data:`ALIGN_BYTES` boundary so kernels that read a parameter
@@ -124,7 +124,7 @@ class FlatBuffer:
         return join_master(self.param[o:o + k], self.lo[o:o + k], out=out).view(self.shapes[i])
 
     @torch.no_grad()
-    def set_master_slice(self, i: int, values: torch.Tensor) -> None:
+    def set_master_state(self, i: int, values: torch.Tensor) -> None:
         """Set parameter i's fp32 master weights to ``values`` (its weights follow for a split master; for an fp16
         master the caller copies the weights afterwards, as :meth:`LSAdam.load_state_dict` does)."""
         o, k = self.offsets[i]
