@@ -164,7 +164,8 @@ def bench_adam(n, dt):
         w, lo = split_master(p)
         sf = lambda: ops.adam_(w, g, m, v, param_lo=lo, **hp)  # noqa: E731
         sr = lambda: adam_reference_(w, g, m, v, param_lo=lo, **hp)  # noqa: E731
-        rows.append(("adam_ (fairseq, split bf16 master)", n * (20 + 3 * dt.itemsize), (sf, sr, sr)))
+        sc = lambda: comp(w, g, m, v, param_lo=lo, **hp)  # noqa: E731
+        rows.append(("adam_ (fairseq, split bf16 master)", n * (20 + 3 * dt.itemsize), (sf, sr, sc)))
     gn_c = torch.compile(lambda t: t.float().norm(2))
     rows.append(("grad_norm", n * dt.itemsize, (lambda: ops.grad_norm(g), lambda: g.float().norm(2),
                                                 lambda: gn_c(g))))
