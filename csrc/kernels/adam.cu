@@ -324,7 +324,22 @@ static void launch_adam(float* param, const void* grad, float* m, float* v, void
   }
 }
 
-static AdamCoef adam_coef(const AdamArgs& a);
+static AdamCoef adam_coef(const AdamArgs& a) {
+  const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
+  const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
+  AdamCoef c;
+  c.lr = a.lr; c.b1 = a.beta1; c.b2 = a.beta2; c.eps = a.eps; c.grad_scale = a.grad_scale;
+  c.torch_mode = a.torch_mode;
+  c.decay_mul = (float)(1.0 - (double)a.lr * a.weight_decay);
+  if (a.torch_mode) {
+    c.step_size = (float)(a.lr / bc1);
+    c.inv_sqrt_bc2 = (float)(1.0 / std::sqrt(bc2));
+  } else {
+    c.step_size = (float)(a.lr * std::sqrt(bc2) / bc1);
+    c.inv_sqrt_bc2 = 1.f;
+  }
+  return c;
+}
 
 void adam_step_ranges(DType grad_dt, DType lp_dt, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                       void* param_lp, void* param_lp_peer, const int64_t* bounds, int count, AdamArgs a,
@@ -347,23 +362,6 @@ void adam_step_split_ranges(DType grad_dt, void* weights, int16_t* lo, const voi
     launch_adam<G, __nv_bfloat16, true>(nullptr, grad, exp_avg, exp_avg_sq, weights, weights_peer, lo, bounds, count,
                                         c, norm, scale_dev, sq_ws, sq_out, stream);
   });
-}
-
-static AdamCoef adam_coef(const AdamArgs& a) {
-  const double bc1 = 1.0 - std::pow((double)a.beta1, (double)a.step);
-  const double bc2 = 1.0 - std::pow((double)a.beta2, (double)a.step);
-  AdamCoef c;
-  c.lr = a.lr; c.b1 = a.beta1; c.b2 = a.beta2; c.eps = a.eps; c.grad_scale = a.grad_scale;
-  c.torch_mode = a.torch_mode;
-  c.decay_mul = (float)(1.0 - (double)a.lr * a.weight_decay);
-  if (a.torch_mode) {
-    c.step_size = (float)(a.lr / bc1);
-    c.inv_sqrt_bc2 = (float)(1.0 / std::sqrt(bc2));
-  } else {
-    c.step_size = (float)(a.lr * std::sqrt(bc2) / bc1);
-    c.inv_sqrt_bc2 = 1.f;
-  }
-  return c;
 }
 
 // ================================================================ grad norm

@@ -340,7 +340,7 @@ class LSAdam(torch.optim.Optimizer):
                 # a split master's upper halves are the weights, which every rank holds whole already; its int16
                 # remainders travel as 2-byte bf16 (NCCL and gloo gather no int16; the gather copies bits)
                 master = [buf.lo.view(torch.bfloat16)] if buf.split else \
-                    [buf._master] if buf.has_separate_master else []
+                    [buf.master] if buf.has_separate_master else []
                 kinds = [buf.exp_avg, buf.exp_avg_sq] + master
                 for start, end, lo, hi in self._shard.parts.get(id(buf), ()):
                     for t in kinds:
@@ -428,7 +428,7 @@ class LSAdam(torch.optim.Optimizer):
                     group[k] = tuple(v) if k == "betas" else v
             for buf in ws.buffers:
                 if buf.has_separate_master and not buf.split:
-                    buf.param.copy_(buf._master)  # the low-precision weights follow the master
+                    buf.param.copy_(buf.master)  # the low-precision weights follow the master
             ws.mark_params_written()
         self._grad_factor = 1.0
         self._synced = False

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ls_fairseq.ops import adam_, grad_norm
-from ls_fairseq.ops.adam import adam_reference_
+from ls_fairseq.ops.adam import adam_reference_, join_master, split_master
 
 pytestmark = pytest.mark.gpu
 
@@ -298,8 +298,6 @@ def test_adam_split_master_equals_the_fp32_master_bit_for_bit(n, grad_dtype, off
     """bf16 weights + int16 remainders (param_lo) updated by the fused kernel hold exactly the fp32 master the plain
     fused kernel computes from the same start, and the weights are that master split (ties away from zero); the
     peer copy receives the weights, and the norm summed in the pass is the plain kernel's."""
-    from ls_fairseq.ops.adam import join_master, split_master
-
     torch.manual_seed(n + offset)
     p0 = torch.randn(n, device="cuda") * torch.exp(torch.randn(n, device="cuda") * 3)
     master = p0.clone()
@@ -339,8 +337,6 @@ def test_adam_split_master_ranges_and_reference(count):
     n = 1_000_003
     torch.manual_seed(count)
     ranges = _ranges(n, count, seed=count)
-    from ls_fairseq.ops.adam import join_master, split_master
-
     w0, lo0 = split_master(torch.randn(n, device="cuda"))
     m0, v0 = torch.rand(n, device="cuda"), torch.rand(n, device="cuda")
     g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
