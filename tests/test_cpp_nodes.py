@@ -180,6 +180,40 @@ def test_split_heads_node(nodes):
         nodes.ag_split_heads(torch.randn(2, 3, 64), None, 0, 2)
 
 
+def test_linear_split_node(nodes):
+    """x W^T + b as n parts of heads that are views of one product: the values and gradients of F.linear followed
+    by the split, for 1, 3 and 12 parts, with and without a bias, some parts unused."""
+    w = torch.randn(48, 16, generator=torch.Generator().manual_seed(12))
+    b = torch.randn(48, generator=torch.Generator().manual_seed(13))
+
+    def ref(n, heads):
+        return lambda x, w, b=None: _split_ref(F.linear(x, w), b, n, heads)
+
+    out = _same_as_autograd(lambda x, w, b: nodes.ag_linear_split(x, w, b, 3, 4), ref(3, 4), [X, w, b])
+    assert len(out) == 3 and "LinearSplitNode" in out[0].grad_fn.name()
+    # the parts are views of one [B * T, 48] product: part i starts i * 16 values in, rows 48 apart
+    assert out[1].data_ptr() - out[0].data_ptr() == 16 * out[0].element_size()
+    assert out[0].stride() == (5 * 48, 4, 48, 1)
+    _same_as_autograd(lambda x, w: nodes.ag_linear_split(x, w, None, 3, 4), ref(3, 4), [X, w])
+    _same_as_autograd(lambda x, w, b: nodes.ag_linear_split(x, w, b, 1, 4), ref(1, 4), [X, w[:16], b[:16]])
+    _same_as_autograd(lambda x, w, b: nodes.ag_linear_split(x, w, b, 12, 2), ref(12, 2), [X, w, b])
+    # k unused, the input frozen: the weight's and the bias's gradients from q and v alone
+    wl, bl = _leaves(w, b)
+    q, k, v = nodes.ag_linear_split(X, wl, bl, 3, 4)
+    gw, gb = torch.autograd.grad(q.sum() + 2 * v.sum(), [wl, bl])
+    scale = torch.cat([torch.ones(16), torch.zeros(16), torch.full((16,), 2.0)])
+    torch.testing.assert_close(gb, 10 * scale)
+    torch.testing.assert_close(gw, scale[:, None] * X.reshape(-1, 16).sum(0)[None, :])
+    with torch.no_grad():
+        assert nodes.ag_linear_split(X, w, b, 3, 4)[0].grad_fn is None
+    with pytest.raises(Exception, match="do not split into"):
+        nodes.ag_linear_split(X, w, b, 5, 4)
+    with pytest.raises(Exception, match="does not match weight"):
+        nodes.ag_linear_split(X, torch.randn(48, 15), None, 3, 4)
+    with pytest.raises(Exception, match="bias must be"):
+        nodes.ag_linear_split(X, w, b[:47], 3, 4)
+
+
 def test_linear_node(nodes):
     w = torch.randn(24, 16, generator=torch.Generator().manual_seed(7))
     b = torch.randn(24, generator=torch.Generator().manual_seed(8))

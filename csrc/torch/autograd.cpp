@@ -325,6 +325,51 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
   }
 };
 
+// x W^T + b split into n parts of heads [B, H, T, D] (x [B, T, K], W [n*H*D, K]): one GEMM with the bias added in
+// its epilogue (fp32, one rounding), the parts views of its output, so nothing is copied in the forward (a linear node
+// and a split node write the product, then read it back to add the bias and copy the heads); the attention kernels
+// read the heads in place through their strides. Backward: the parts' gradients merged, the bias gradient summed on
+// the way (split_heads_bwd), then the input and weight gradients as the linear node's.
+struct LinearSplitNode : public torch::autograd::Function<LinearSplitNode> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                               int64_t n, int64_t num_heads) {
+    const int64_t B = x.size(0), T = x.size(1), K = x.size(2), N = weight.size(0);
+    Tensor x2 = x.reshape({B * T, K});
+    Tensor y2 = present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({x2, weight});
+    ctx->saved_data["hb"] = present(bias);
+    ctx->saved_data["n"] = n;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    Tensor y5 = y2.view({B, T, n, num_heads, N / (n * num_heads)});
+    variable_list parts;
+    for (int64_t i = 0; i < n; ++i) parts.push_back(y5.select(2, i).permute({0, 2, 1, 3}));
+    return parts;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t n = ctx->saved_data["n"].toInt();
+    const variable_list none(5);
+    bool any = false;
+    std::vector<OptTensor> d(n);
+    for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
+      d[i] = opt(grads[i]);
+      any = any || d[i].has_value();
+    }
+    if (!any) return none;
+    auto s = ctx->get_saved_variables();
+    const Tensor &x2 = s[0], &w = s[1];
+    const bool has_bias = ctx->saved_data["hb"].toBool();
+    const bool need_db = has_bias && ctx->needs_input_grad(2);
+    auto r = split_heads_bwd(d, need_db);  // [B, T, N], the bias gradient
+    Tensor g2 = r[0].view({-1, w.size(0)});
+    Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = at::mm(g2, w).view(ctx->saved_data["x_sizes"].toIntVector());
+    if (ctx->needs_input_grad(1)) dw = weight_grad_mm(w, g2.t(), x2);  // undefined when written into its sink
+    return {dx, dw, need_db ? r[1] : Tensor(), Tensor(), Tensor()};
+  }
+};
+
 }  // namespace
 
 variable_list ag_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const Tensor& bias,
@@ -348,6 +393,24 @@ variable_list ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, const 
 variable_list ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads) {
   LS_CHECK(n >= 1, "split_heads: n must be >= 1, got ", n);
   return SplitHeadsNode::apply(x, bias, n, num_heads);
+}
+
+variable_list ag_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
+                              int64_t num_heads) {
+  const char* op = "linear_split";
+  LS_CHECK(x.dim() == 3 && weight.dim() == 2 && x.size(2) == weight.size(1), op, ": input ", x.sizes(),
+           " (expected [batch, length, in_features]) does not match weight ", weight.sizes());
+  LS_CHECK(x.device() == weight.device() && x.scalar_type() == weight.scalar_type(), op, ": input (",
+           x.scalar_type(), " on ", x.device().str(), ") and weight (", weight.scalar_type(), " on ",
+           weight.device().str(), ") differ");
+  LS_CHECK(n >= 1 && num_heads >= 1 && weight.size(0) % (n * num_heads) == 0, op, ": ", weight.size(0),
+           " output features do not split into ", n, " parts of ", num_heads, " heads");
+  if (present(bias))
+    LS_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
+                 bias->device() == x.device(),
+             op, ": bias must be [", weight.size(0), "] of ", x.scalar_type(), " on ", x.device().str(), ", got ",
+             bias->sizes(), " of ", bias->scalar_type(), " on ", bias->device().str());
+  return LinearSplitNode::apply(x, weight, bias, n, num_heads);
 }
 
 std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, const Tensor& weight,

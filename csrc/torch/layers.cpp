@@ -183,14 +183,14 @@ Tensor block_output(const Tensor& h, const Tensor& bias, const Tensor& residual,
   return block_end(ag_bias_dropout_residual(h, bias, residual, a.p.dropout)[0], a, w, b, eps);
 }
 
-// h W^T split into n parts of heads, the bias added as the heads are split (its gradient summed as they are merged);
-// in FP8 one node whose output gradient is quantised from the heads' gradients (as ls_fairseq/ops/linear.py's
-// linear_split)
+// h W^T + b split into n parts of heads: views of one GEMM's output (its gradient merged from the heads', the bias's
+// summed on the way); in FP8 one node whose output gradient is quantised from the heads' gradients (as
+// ls_fairseq/ops/linear.py's linear_split)
 std::vector<Tensor> linear_split(const Tensor& h, const Tensor& weight, const Tensor& bias, int64_t n,
                                  int64_t num_heads, const Fp8Args& f) {
   return f.mode > 0 && fp8_linear_shapes_ok(weight)
              ? ag_fp8_linear_split(h, weight, bias, n, num_heads, f.mode, f.state, f.slot)
-             : ag_split_heads(ag_linear_mode(h, weight, std::nullopt, f), bias, n, num_heads);
+             : ag_linear_split(h, weight, bias, n, num_heads);
 }
 
 // An attention block's end: residual + dropout(h W^T + bias), then the layer norm of a post-LN block; in FP8 one

@@ -26,6 +26,9 @@ void bind_nodes_and_layers(pybind11::module_& m, Wrap wrap) {
         py::arg("x"), py::arg("bias") = none, py::arg("activation"), py::arg("p"));
   m.def("ag_split_heads", wrap(&ag_split_heads), "differentiable [B,T,n*C] (+bias) -> n x [B,H,T,D]",
         py::arg("x"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
+  m.def("ag_linear_split", wrap(&ag_linear_split),
+        "differentiable x W^T (+ b) [B,T,K] -> n x [B,H,T,D], views of one GEMM's output (autograd.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"));
   m.def("ag_linear", wrap(&ag_linear), "differentiable x W^T (+ b), one GEMM over the flattened rows",
         py::arg("x"), py::arg("weight"), py::arg("bias") = none);
   m.def("ag_bias_act_linear", wrap(&ag_bias_act_linear),

@@ -79,6 +79,9 @@ std::vector<Tensor> ag_bias_act_dropout(const Tensor& x, const OptTensor& bias, 
                                         double p);
 std::vector<Tensor> ag_split_heads(const Tensor& x, const OptTensor& bias, int64_t n, int64_t num_heads);
 Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
+// x [B, T, K] W^T + b as n parts of heads [B, H, T, D], views of one GEMM's output (the bias in its epilogue)
+std::vector<Tensor> ag_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
+                                    int64_t num_heads);
 
 // weight_grads.cpp: weight gradients written into the places the CUDA-graph step names while it captures a
 // backward. set_weight_grad_sinks: parameter i's weight gradient goes into dests[i] (same shape and dtype,

@@ -10,8 +10,8 @@ else (CPU, mixed dtypes, autocast, torch.compile) is ``F.linear`` itself.
 ``fp8`` (ls_fairseq/ops/fp8.py: Fp8Use, the layer's slot in its model's FP8 state, or None) runs the product as
 FP8 GEMMs where the weight's sizes allow it (multiples of 16).
 
-linear_split(x, weight, bias, n, num_heads, fp8): the attention's input projections, x W^T split into n parts of
-heads with the bias added in the split.
+linear_split(x, weight, bias, n, num_heads, fp8): the attention's input projections, x W^T + b split into n parts of
+heads: on CUDA views of one GEMM's output, the bias added in its epilogue.
 
 linear_dropout_residual(x, weight, bias, residual, p, training, fp8): an attention block's output projection and its
 end, residual + dropout(x W^T + b).
@@ -41,14 +41,32 @@ def linear(x, weight, bias=None, fp8: Optional[Fp8Use] = None):
 
 
 def linear_split(x, weight, bias, n: int, num_heads: int, fp8: Optional[Fp8Use] = None):
-    """x W^T split into n parts of heads [B, H, T, D], the bias added as the heads are split (its gradient summed as
-    they are merged): an attention's q, k, v, a cross-attention's query, or the layer-batched keys and values. Where
-    the FP8 node applies (ls_fairseq/ops/fp8.py fp8_split_node) the projection and the split are that one node, whose
-    output gradient is quantised straight from the heads' gradients; otherwise linear(fp8=fp8), then split_heads."""
+    """x W^T + b split into n parts of heads [B, H, T, D] (the bias gradient summed as the heads' gradients are merged):
+    an attention's q, k, v, a cross-attention's query, or the layer-batched keys and values. Where the FP8 node
+    applies (ls_fairseq/ops/fp8.py fp8_split_node) the projection and the split are that one node, whose output
+    gradient is quantised straight from the heads' gradients; where the linear node applies, one node whose parts are
+    views of the GEMM's output (:func:`_split_node`); otherwise linear(fp8=fp8), then split_heads."""
     node = fp8_split_node(x, weight, fp8)
     if node is not None:
         return list(node.ag_fp8_linear_split(x, weight, bias, n, num_heads, fp8.mode, fp8.state, fp8.slot))
+    if fp8 is None or not shapes_ok(weight):
+        nodes = _split_node(x, weight, bias)
+        if nodes is not None:
+            return list(nodes.ag_linear_split(x, weight, bias, n, num_heads))
     return list(split_heads(linear(x, weight, fp8=fp8), bias, n, num_heads))
+
+
+def _split_node(x, weight, bias):
+    """The extension when x W^T + b and its head split run as one C++ node whose parts are views of the GEMM's
+    output (``ls_fairseq._C.ag_linear_split``, the bias in the GEMM's epilogue), else None: where the linear node
+    applies, for a [B, T, K] input. The C++ layers take the same node (csrc/torch/layers.cpp)."""
+    if not (x.is_cuda and weight.is_cuda and x.dim() == 3 and x.dtype == weight.dtype
+            and (bias is None or (bias.dtype == x.dtype and bias.is_cuda))):
+        return None
+    nodes = cpp_nodes(_ext.get(), linear=True)
+    if nodes is None or _autocast_on() or not hasattr(nodes, "ag_linear_split"):
+        return None
+    return nodes
 
 
 def linear_dropout_residual(x, weight, bias, residual, p: float = 0.0, training: bool = True,

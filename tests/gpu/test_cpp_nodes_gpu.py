@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ls_fairseq import _ext, ops
 from ls_fairseq.ops import _dispatch
+from ls_fairseq.ops.attention import Varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -134,6 +135,62 @@ def test_linear_node(dtype, bias):
     for g, r in zip(got, want):
         assert g.dtype == r.dtype and g.shape == r.shape
         torch.testing.assert_close(g, r, **(dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else tol))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 3, 12])
+def test_linear_split_node(dtype, n):
+    """ops.linear_split on CUDA: one node whose parts are views of the product (the bias added in the GEMM's
+    epilogue), against F.linear and the split of its output; odd lengths, with and without a bias."""
+    torch.manual_seed(0)
+    heads, d = 4, 64
+    x = torch.randn(3, 19, 256, device="cuda", dtype=dtype, requires_grad=True)
+    w = (0.05 * torch.randn(n * heads * d, 256, device="cuda")).to(dtype).requires_grad_(True)
+    for b in (torch.randn(n * heads * d, device="cuda", dtype=dtype, requires_grad=True), None):
+        ins = [x, w] + ([b] if b is not None else [])
+        parts = ops.linear_split(x, w, b, n, heads)
+        assert len(parts) == n and "LinearSplitNode" in parts[0].grad_fn.name()
+        if n > 1:  # views of one [57, n * 256] product
+            assert parts[1].data_ptr() - parts[0].data_ptr() == heads * d * x.element_size()
+            assert parts[0].stride(2) == n * heads * d
+        ref_ins = [t.detach().float().requires_grad_(True) for t in ins]
+        y = F.linear(*ref_ins)
+        want = y.view(3, 19, n, heads, d).permute(2, 0, 3, 1, 4)
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        for i in range(n):
+            torch.testing.assert_close(parts[i].float(), want[i], **tol)
+        gys = [torch.randn_like(p) for p in parts]
+        got = torch.autograd.grad(sum((p * g).sum() for p, g in zip(parts, gys)), ins)
+        gy = torch.stack([g.float() for g in gys]).permute(1, 3, 0, 2, 4).reshape(3, 19, -1)
+        ref = torch.autograd.grad((y * gy).sum(), ref_ins)
+        for g, r in zip(got, ref):
+            assert g.dtype == dtype and g.shape == r.shape
+            torch.testing.assert_close(g.float(), r, **(tol if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-1)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_reads_the_split_views_in_place(causal):
+    """The short-attention kernels over q, k, v that are strided views of one product give what they give over
+    contiguous copies, bit for bit, forward and backward (packed sentences, dropout drawn from the same state)."""
+    torch.manual_seed(1)
+    lengths = [5, 17, 33, 64, 1, 90]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device="cuda", dtype=torch.int32)
+    rows = int(cu[-1])
+    x = torch.randn(1, rows, 256, device="cuda", dtype=torch.bfloat16)
+    w = (0.05 * torch.randn(3 * 256, 256, device="cuda")).to(torch.bfloat16)
+    vl = Varlen(cu, cu, max(lengths), max(lengths))
+    results = []
+    for copy in (False, True):
+        q, k, v = [t.detach() for t in ops.linear_split(x, w, None, 3, 4)]
+        if copy:
+            q, k, v = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+        q, k, v = [t.requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(5)
+        out = ops.attention(q, k, v, causal=causal, p=0.1, training=True, varlen=vl)
+        g = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)).to(out.dtype)
+        results.append([out] + list(torch.autograd.grad((out.float() * g.float()).sum(), [q, k, v])))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_linear_falls_back_to_torch():
