@@ -104,7 +104,7 @@ class CrossAttention(nn.Module):
 
     def attend(self, x, k, v, key_padding_mask=None, varlen=None):
         """The heads' outputs merged, [B, T, C]: what out_proj projects."""
-        # the bias added as the heads are split, its gradient summed as they are merged (as in SelfAttention)
+        # one node on CUDA: the bias added in the projection's GEMM, the query a view of its output (as in SelfAttention)
         q, = ops.linear_split(x, self.q_proj.weight, self.q_proj.bias, 1, self.num_heads, fp8_now(self, 0))
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training, varlen=varlen)
