@@ -33,6 +33,21 @@ inline Tensor as_dtype(const Tensor& t, int64_t dt) {
 }
 inline int64_t dtype_code(const Tensor& t) { return static_cast<int64_t>(t.defined() ? t.scalar_type() : at::kFloat); }
 inline int64_t dtype_code(const OptTensor& t) { return dtype_code(or_undefined(t)); }
+// The gradients of a node's n head parts (a part without one: empty), or nothing when no part got one.
+std::vector<OptTensor> part_grads(const variable_list& grads, int64_t n) {
+  bool any = false;
+  std::vector<OptTensor> d(n);
+  for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
+    d[i] = opt(grads[i]);
+    any = any || d[i].has_value();
+  }
+  if (!any) d.clear();
+  return d;
+}
+// x2 [M, K] W^T (+ b): one GEMM, the bias added in its epilogue
+inline Tensor linear_rows(const Tensor& x2, const Tensor& weight, const OptTensor& bias) {
+  return present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
+}
 
 // The optional bias at argument 1 (the dropout nodes and the head split): whether it is there, and its dtype.
 inline void keep_bias_info(AutogradContext* ctx, const OptTensor& bias) {
@@ -276,14 +291,8 @@ struct SplitHeadsNode : public torch::autograd::Function<SplitHeadsNode> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const int64_t n = ctx->saved_data["n"].toInt();
-    bool any = false;
-    std::vector<OptTensor> d(n);
-    for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
-      d[i] = opt(grads[i]);
-      any = any || d[i].has_value();
-    }
-    if (!any) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    const auto d = part_grads(grads, ctx->saved_data["n"].toInt());
+    if (d.empty()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const bool need_db = bias_grad_needed(ctx);
     auto r = split_heads_bwd(d, need_db);
     return {r[0], bias_grad(ctx, r[1], need_db), Tensor(), Tensor()};
@@ -297,7 +306,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias) {
     const int64_t K = x.size(-1);
     Tensor x2 = x.reshape({-1, K});
-    Tensor y2 = present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
+    Tensor y2 = linear_rows(x2, weight, bias);
     auto sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     ctx->set_materialize_grads(false);
@@ -335,7 +344,7 @@ struct LinearSplitNode : public torch::autograd::Function<LinearSplitNode> {
                                int64_t n, int64_t num_heads) {
     const int64_t B = x.size(0), T = x.size(1), K = x.size(2), N = weight.size(0);
     Tensor x2 = x.reshape({B * T, K});
-    Tensor y2 = present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
+    Tensor y2 = linear_rows(x2, weight, bias);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({x2, weight});
     ctx->saved_data["hb"] = present(bias);
@@ -348,15 +357,8 @@ struct LinearSplitNode : public torch::autograd::Function<LinearSplitNode> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const int64_t n = ctx->saved_data["n"].toInt();
-    const variable_list none(5);
-    bool any = false;
-    std::vector<OptTensor> d(n);
-    for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
-      d[i] = opt(grads[i]);
-      any = any || d[i].has_value();
-    }
-    if (!any) return none;
+    const auto d = part_grads(grads, ctx->saved_data["n"].toInt());
+    if (d.empty()) return variable_list(5);
     auto s = ctx->get_saved_variables();
     const Tensor &x2 = s[0], &w = s[1];
     const bool has_bias = ctx->saved_data["hb"].toBool();

@@ -32,12 +32,20 @@ from ls_fairseq.ops.fp8 import Fp8Use, fp8_linear, fp8_residual_node, fp8_split_
 def linear(x, weight, bias=None, fp8: Optional[Fp8Use] = None):
     if fp8 is not None and shapes_ok(weight):
         return fp8_linear(x, weight, bias, fp8)
-    if (x.is_cuda and weight.is_cuda and x.dim() >= 2 and x.dtype == weight.dtype
-            and (bias is None or (bias.dtype == x.dtype and bias.is_cuda))):
-        nodes = cpp_nodes(_ext.get(), linear=True)
-        if nodes is not None and not _autocast_on():
-            return nodes.ag_linear(x, weight, bias)
+    nodes = _linear_nodes(x, weight, bias)
+    if nodes is not None:
+        return nodes.ag_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _linear_nodes(x, weight, bias):
+    """The extension when the C++ linear nodes apply (ag_linear, ag_linear_split), else None: CUDA tensors of one
+    dtype, an input of at least two dimensions, eager mode without autocast."""
+    if not (x.is_cuda and weight.is_cuda and x.dim() >= 2 and x.dtype == weight.dtype
+            and (bias is None or (bias.dtype == x.dtype and bias.is_cuda))):
+        return None
+    nodes = cpp_nodes(_ext.get(), linear=True)
+    return nodes if nodes is not None and not _autocast_on() else None
 
 
 def linear_split(x, weight, bias, n: int, num_heads: int, fp8: Optional[Fp8Use] = None):
@@ -45,28 +53,16 @@ def linear_split(x, weight, bias, n: int, num_heads: int, fp8: Optional[Fp8Use] 
     an attention's q, k, v, a cross-attention's query, or the layer-batched keys and values. Where the FP8 node
     applies (ls_fairseq/ops/fp8.py fp8_split_node) the projection and the split are that one node, whose output
     gradient is quantised straight from the heads' gradients; where the linear node applies, one node whose parts are
-    views of the GEMM's output (:func:`_split_node`); otherwise linear(fp8=fp8), then split_heads."""
+    views of the GEMM's output; otherwise linear(fp8=fp8), then split_heads."""
     node = fp8_split_node(x, weight, fp8)
     if node is not None:
         return list(node.ag_fp8_linear_split(x, weight, bias, n, num_heads, fp8.mode, fp8.state, fp8.slot))
-    if fp8 is None or not shapes_ok(weight):
-        nodes = _split_node(x, weight, bias)
-        if nodes is not None:
-            return list(nodes.ag_linear_split(x, weight, bias, n, num_heads))
+    # where the linear node applies, a [B, T, K] input: one node whose parts are views of the GEMM's output (the bias
+    # in its epilogue), as the C++ layers take it (csrc/torch/layers.cpp)
+    nodes = _linear_nodes(x, weight, bias) if x.dim() == 3 and (fp8 is None or not shapes_ok(weight)) else None
+    if nodes is not None and hasattr(nodes, "ag_linear_split"):
+        return list(nodes.ag_linear_split(x, weight, bias, n, num_heads))
     return list(split_heads(linear(x, weight, fp8=fp8), bias, n, num_heads))
-
-
-def _split_node(x, weight, bias):
-    """The extension when x W^T + b and its head split run as one C++ node whose parts are views of the GEMM's
-    output (``ls_fairseq._C.ag_linear_split``, the bias in the GEMM's epilogue), else None: where the linear node
-    applies, for a [B, T, K] input. The C++ layers take the same node (csrc/torch/layers.cpp)."""
-    if not (x.is_cuda and weight.is_cuda and x.dim() == 3 and x.dtype == weight.dtype
-            and (bias is None or (bias.dtype == x.dtype and bias.is_cuda))):
-        return None
-    nodes = cpp_nodes(_ext.get(), linear=True)
-    if nodes is None or _autocast_on() or not hasattr(nodes, "ag_linear_split"):
-        return None
-    return nodes
 
 
 def linear_dropout_residual(x, weight, bias, residual, p: float = 0.0, training: bool = True,
