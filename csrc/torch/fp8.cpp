@@ -599,18 +599,19 @@ std::vector<Tensor> ag_fp8_linear_residual(const Tensor& x, const Tensor& weight
 
 namespace {
 
-// The attention's input projection and its head split as one FP8 node: x W^T (+ bias) -> n parts [B, H, T, D] stored
-// token-major, so that the output gradient leaves the heads' gradients as codes (with the bias gradient summed on the
-// way) and is never merged in the model's precision nor quantised by a pass of its own. The forward is the chain
-// ag_fp8_linear -> ag_split_heads would record, and every value but the bias gradient (the same sum in another
-// order) equals that chain's bit for bit.
+// The attention's input projection and its head split as one FP8 node: x W^T (+ bias) -> n parts [B, H, T, D], views
+// of the GEMM's output (the bias added in its epilogue), so that nothing is copied in the forward and the output
+// gradient leaves the heads' gradients as codes (with the bias gradient summed on the way), never merged in the
+// model's precision nor quantised by a pass of its own. Every value but the bias gradient (the same sum in another
+// order) equals bit for bit that of the chain ag_fp8_linear (with the bias) -> the heads as views of its output.
 struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                int64_t n, int64_t num_heads, int64_t mode, const Tensor& state, int64_t slot) {
     const Use u = use_of("fp8_linear_split", mode, state, slot, x);
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
-    auto f = linear_forward(x2, weight, std::nullopt, u, weight.requires_grad());  // [y2, xq_t, wq_t, sx, sw]
-    Tensor out = qkv_split_fwd(f[0].view({x.size(0), x.size(1), weight.size(0)}), bias, n, num_heads, true);
+    // the bias in the GEMM's epilogue; the parts are views of its output (as ag_linear_split's, autograd.cpp)
+    auto f = linear_forward(x2, weight, bias, u, weight.requires_grad());  // [y2, xq_t, wq_t, sx, sw]
+    Tensor y5 = f[0].view({x.size(0), x.size(1), n, num_heads, weight.size(0) / (n * num_heads)});
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -620,7 +621,9 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["wkey"] = key_value(weight);
-    return out.unbind(0);
+    variable_list parts;
+    for (int64_t i = 0; i < n; ++i) parts.push_back(y5.select(2, i).permute({0, 2, 1, 3}));
+    return parts;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -366,12 +366,12 @@ def test_linear_residual_node_equals_the_chain(p, dtype, shape):
 @pytest.mark.parametrize("n", [3, 2, 1, 12])  # 1: a cross-attention query; 12: six layers' keys and values
 @pytest.mark.parametrize("grads", ["token_major", "plain", "some"])
 def test_linear_split_node_equals_the_chain(dtype, B, T, C, H, n, grads):
-    """The attention's input projection and head split as one FP8 node (ag_fp8_linear_split) quantise the output
-    gradient straight from the heads' gradients, with the bias gradient summed on the way: the parts, dx, dW and the
-    FP8 state equal those of the chain it replaces (the FP8 linear node, then ag_split_heads) bit for bit
-    (_node_equals_chain), for head gradients stored token-major (as SDPA's kernels give them), plain [B, H, T, D]
-    ones, and some parts without a gradient. A head dim that is not a multiple of 16 merges in the gradient's
-    precision first (the same values)."""
+    """The attention's input projection and head split as one FP8 node (ag_fp8_linear_split): the parts are views of
+    the GEMM's output (the bias in its epilogue) and the output gradient is quantised straight from the heads'
+    gradients, with the bias gradient summed on the way: the parts, dx, dW and the FP8 state equal those of the chain
+    (the FP8 linear node with the bias, then its output's heads as views) bit for bit (_node_equals_chain), for head
+    gradients stored token-major (as SDPA's kernels give them), plain [B, H, T, D] ones, and some parts without a
+    gradient. A head dim that is not a multiple of 16 merges in the gradient's precision first (the same values)."""
     mod = _mod()
     g = torch.Generator(device="cuda").manual_seed(T * C + n)
     x = torch.randn(B, T, C, device="cuda", generator=g).to(dtype)
@@ -382,17 +382,24 @@ def test_linear_split_node_equals_the_chain(dtype, B, T, C, H, n, grads):
     def run(kind, st, mode, step):
         xi, wi, bi = (t.clone().requires_grad_() for t in (x, w, b))
         if kind == "chain":
-            parts = mod.ag_split_heads(mod.ag_fp8_linear(xi, wi, None, mode, st, 0), bi, n, H)
+            y = mod.ag_fp8_linear(xi, wi, bi, mode, st, 0)
+            parts = y.view(B, T, n, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
         else:
             parts = mod.ag_fp8_linear_split(xi, wi, bi, n, H, mode, st, 0)
+            if n > 1:  # views of one product
+                assert parts[1].data_ptr() - parts[0].data_ptr() == C * parts[0].element_size()
         if grads == "token_major":  # [B, H, T, D] gradients stored [B, T, H, D]
-            torch.autograd.backward(list(parts), [d.transpose(1, 2).contiguous().transpose(1, 2) for d in douts])
+            gs = [d.transpose(1, 2).contiguous().transpose(1, 2) for d in douts]
         elif grads == "plain":
-            torch.autograd.backward(list(parts), douts)
+            gs = list(douts)
         else:  # only the last part has a gradient
-            parts[-1].backward(douts[-1])
+            gs = [None] * (n - 1) + [douts[-1]]
+        torch.autograd.backward([p for p, d in zip(parts, gs) if d is not None], [d for d in gs if d is not None])
         assert xi.grad.abs().sum() > 0
-        return torch.stack(list(parts)).detach(), xi.grad, wi.grad, bi.grad
+        # the chain's bias gradient as the heads' merge sums it (the linear node sums its [rows, N] gradient in
+        # another order)
+        db = bi.grad if kind == "node" else mod.split_heads_bwd(gs, True)[1]
+        return torch.stack(list(parts)).detach(), xi.grad, wi.grad, db
 
     _node_equals_chain(run, 3, dtype, ("parts", "dx", "dW"))
 
