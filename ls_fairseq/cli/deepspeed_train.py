@@ -136,6 +136,8 @@ def train(cfg, trainer: DeepSpeedTrainer, epoch_itr):
     from fairseq.data import iterators
     from fairseq.logging import metrics, progress_bar
 
+    from ls_fairseq.fairseq_ext.heap import settle_heap
+
     max_epoch = cfg.optimization.max_epoch or math.inf
     max_update = cfg.optimization.max_update or math.inf
     trainer.lr_scheduler.step_begin_epoch(epoch_itr.next_epoch_idx)
@@ -148,6 +150,7 @@ def train(cfg, trainer: DeepSpeedTrainer, epoch_itr):
             itr, log_format=cfg.common.log_format, log_interval=cfg.common.log_interval, epoch=epoch_itr.epoch,
             default_log_format="tqdm" if not cfg.common.no_progress_bar else "simple")
         logger.info(f"begin training epoch {epoch_itr.epoch}")
+        settle_heap()  # no pause of the garbage collector's in the epoch's updates (fairseq_ext/heap.py)
         stop = False
         val = None
         with metrics.aggregate("train"):

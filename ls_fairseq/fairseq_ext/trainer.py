@@ -59,6 +59,7 @@ from fairseq.trainer import Trainer
 
 from ls_fairseq.fairseq_ext.batching import group_batches_by_update
 from ls_fairseq.fairseq_ext.deferred_step import DeferredStepMixin, scale_candidates
+from ls_fairseq.fairseq_ext.heap import settle_heap
 from ls_fairseq.fairseq_ext.optimizer import LSFairseqAdam
 from ls_fairseq.fairseq_ext.pending_update import PendingUpdateMixin, _inner_and_scaler
 from ls_fairseq.fairseq_ext.sample_prep import SamplePrepMixin, pin_sample
@@ -272,8 +273,13 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         finally:
             del task.get_batch_iterator  # the task's own method again
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        settle_heap()  # the imported modules and the model, never walked by the collector again (heap.py)
+
     def begin_epoch(self, epoch):
         self._ls_resolve()
+        settle_heap()  # no pause of the garbage collector's in the epoch's updates (heap.py)
         return super().begin_epoch(epoch)
 
     def begin_valid_epoch(self, epoch):
