@@ -44,3 +44,28 @@ def test_lightseq_trains_trainer_settles_the_heap_when_built_and_at_each_epoch(m
     assert calls == ["fairseq init", "settle"]
     t.begin_epoch(3)
     assert calls[2:] == ["resolve", "settle", "fairseq 3"]
+
+
+def test_lightseq_train_settles_each_epoch_and_releases_the_heap_at_the_end(data_bin, tmp_path, monkeypatch):
+    """Two epochs of lightseq-train in this process: the heap is settled when the trainer is built and at each
+    epoch's start, with objects frozen then, and nothing stays frozen once training returns (what the run leaves is
+    collectable in a process that goes on)."""
+    from _models import lightseq_train
+
+    from ls_fairseq.fairseq_ext import heap
+    from ls_fairseq.fairseq_ext import trainer as ls_trainer
+
+    frozen = []
+
+    def settle():
+        heap.settle_heap()
+        frozen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(ls_trainer, "settle_heap", settle)
+    gc.unfreeze()
+    lightseq_train([data_bin, "--arch", "ls_transformer_tiny", "--share-all-embeddings", "--optimizer", "ls_adam",
+                    "--lr", "1e-3", "--criterion", "ls_label_smoothed_cross_entropy", "--max-tokens", "512",
+                    "--max-epoch", "2", "--num-workers", "0", "--save-dir", str(tmp_path / "ck"), "--no-save",
+                    "--no-progress-bar", "--cpu"])
+    assert len(frozen) == 3 and all(n > 1000 for n in frozen), frozen  # built, epoch 1, epoch 2
+    assert gc.get_freeze_count() == 0

@@ -195,6 +195,8 @@ def main(args) -> None:
     from fairseq.logging import metrics
     from omegaconf import open_dict
 
+    from ls_fairseq.fairseq_ext.heap import release_heap
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cfg = convert_namespace_to_omegaconf(args)
@@ -222,7 +224,10 @@ def main(args) -> None:
     trainer = DeepSpeedTrainer(cfg, ds_config)
     epoch_itr = trainer.load()
     start = time.time()
-    train(cfg, trainer, epoch_itr)
+    try:
+        train(cfg, trainer, epoch_itr)
+    finally:
+        release_heap()  # what train() froze (fairseq_ext/heap.py) is collectable again
     logger.info(f"training took {time.time() - start:.1f} s")
     from ls_fairseq.cli.train import destroy_process_group
 

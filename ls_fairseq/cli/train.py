@@ -111,6 +111,7 @@ def _train_main(cfg, **kwargs):
 
     from ls_fairseq.cli import affinity
     from ls_fairseq.fairseq_ext import graph_step
+    from ls_fairseq.fairseq_ext.heap import release_heap
 
     graph_step.OPTIONS.update(kwargs.pop("ls_graph", None) or {})
     from ls_fairseq.fairseq_ext.checkpoint_files import install_atomic_copies
@@ -125,7 +126,10 @@ def _train_main(cfg, **kwargs):
         affinity.apply(local_rank, local_world)
     patch_fp16_optimizer_for_bf16()
     use_ls_trainer(fairseq_train)
-    out = fairseq_train.main(cfg, **kwargs)
+    try:
+        out = fairseq_train.main(cfg, **kwargs)
+    finally:
+        release_heap()  # what the trainer froze (fairseq_ext/heap.py) is collectable again
     destroy_process_group()
     return out
 

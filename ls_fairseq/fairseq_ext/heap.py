@@ -9,7 +9,8 @@ CUDA-graph step the host runs only a few updates ahead of the GPU, so the GPU th
 :func:`settle_heap` runs once the trainer is built and again at the start of every epoch: it collects what is
 garbage now and moves every object that survives into the collector's permanent generation (``gc.freeze``), which
 later collections skip. They then walk only what was created since, and the collection at the next epoch's start
-frees what of that has become garbage.
+frees what of that has become garbage. When training ends :func:`release_heap` makes the frozen objects collectable
+again, so that what the run leaves behind (its trainer, its model) is freed in a process that goes on.
 """
 
 import gc
@@ -26,3 +27,8 @@ def settle_heap() -> None:
     gc.freeze()
     logger.debug("garbage collected in %.0f ms; %d objects exempt from later collections",
                  1e3 * (time.perf_counter() - t0), gc.get_freeze_count())
+
+
+def release_heap() -> None:
+    """Make every frozen object collectable again (the end of a training run)."""
+    gc.unfreeze()
