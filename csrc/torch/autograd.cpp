@@ -33,17 +33,6 @@ inline Tensor as_dtype(const Tensor& t, int64_t dt) {
 }
 inline int64_t dtype_code(const Tensor& t) { return static_cast<int64_t>(t.defined() ? t.scalar_type() : at::kFloat); }
 inline int64_t dtype_code(const OptTensor& t) { return dtype_code(or_undefined(t)); }
-// The gradients of a node's n head parts (a part without one: empty), or nothing when no part got one.
-std::vector<OptTensor> part_grads(const variable_list& grads, int64_t n) {
-  bool any = false;
-  std::vector<OptTensor> d(n);
-  for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
-    d[i] = opt(grads[i]);
-    any = any || d[i].has_value();
-  }
-  if (!any) d.clear();
-  return d;
-}
 // x2 [M, K] W^T (+ b): one GEMM, the bias added in its epilogue
 inline Tensor linear_rows(const Tensor& x2, const Tensor& weight, const OptTensor& bias) {
   return present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
@@ -342,7 +331,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
 struct LinearSplitNode : public torch::autograd::Function<LinearSplitNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                int64_t n, int64_t num_heads) {
-    const int64_t B = x.size(0), T = x.size(1), K = x.size(2), N = weight.size(0);
+    const int64_t B = x.size(0), T = x.size(1), K = x.size(2);
     Tensor x2 = x.reshape({B * T, K});
     Tensor y2 = linear_rows(x2, weight, bias);
     ctx->set_materialize_grads(false);
@@ -350,10 +339,7 @@ struct LinearSplitNode : public torch::autograd::Function<LinearSplitNode> {
     ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["n"] = n;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
-    Tensor y5 = y2.view({B, T, n, num_heads, N / (n * num_heads)});
-    variable_list parts;
-    for (int64_t i = 0; i < n; ++i) parts.push_back(y5.select(2, i).permute({0, 2, 1, 3}));
-    return parts;
+    return head_views(y2, B, T, n, num_heads);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -334,18 +334,17 @@ std::vector<Tensor> act_grad_codes(const char* op, const Tensor& dy2_in, const O
   return {c.q, c.q_t, c.db};
 }
 
-// The codes of the attention input projection's output gradient, merged from the n head gradients d (undefined:
-// zeros) as split_heads_bwd merges them, under the gradient row of u, and the bias gradient (need_db); one pass over
-// the head gradients under delayed scaling. -> [codes, transposed codes, dbias]
-std::vector<Tensor> merge_codes(const char* op, const variable_list& d, int64_t n, const Use& u, bool rowwise,
+// The codes of the attention input projection's output gradient, merged from the head gradients parts (at least one
+// given; a part not given: zeros) as split_heads_bwd merges them, under the gradient row of u, and the bias gradient
+// (need_db); one pass over the head gradients under delayed scaling. -> [codes, transposed codes, dbias]
+std::vector<Tensor> merge_codes(const char* op, const std::vector<OptTensor>& parts, const Use& u, bool rowwise,
                                 bool transposed, bool need_db) {
   const ls::Fp8Format fmt = to_format(op, u.grad_format);
+  const int64_t n = (int64_t)parts.size();
   const Tensor* ref = nullptr;
-  for (int64_t i = 0; i < n; ++i)
-    if (d[i].defined()) { ref = &d[i]; break; }
+  for (const auto& p : parts)
+    if (present(p)) { ref = &p.value(); break; }
   const int64_t B = ref->size(0), H = ref->size(1), T = ref->size(2), D = ref->size(3), M = B * T, K = n * H * D;
-  std::vector<OptTensor> parts;
-  for (int64_t i = 0; i < n; ++i) parts.push_back(opt_of(d[i]));
   if (u.current || D % 16 != 0 || n > ls::kMaxSplitParts) {  // merged in the gradient's precision, then quantised
     auto r = split_heads_bwd(parts, need_db);
     auto [q, q_t] = quantize(op, r[0].reshape({M, K}), u.state, u.row(2), fmt, u.current, rowwise, transposed);
@@ -611,7 +610,6 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
     // the bias in the GEMM's epilogue; the parts are views of its output (as ag_linear_split's, autograd.cpp)
     auto f = linear_forward(x2, weight, bias, u, weight.requires_grad());  // [y2, xq_t, wq_t, sx, sw]
-    Tensor y5 = f[0].view({x.size(0), x.size(1), n, num_heads, weight.size(0) / (n * num_heads)});
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -621,25 +619,20 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["wkey"] = key_value(weight);
-    variable_list parts;
-    for (int64_t i = 0; i < n; ++i) parts.push_back(y5.select(2, i).permute({0, 2, 1, 3}));
-    return parts;
+    return head_views(f[0], x.size(0), x.size(1), n, num_heads);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const char* op = "fp8_linear_split backward";
     const int64_t n = ctx->saved_data["n"].toInt();
-    const variable_list none(8);
-    bool any = false;
-    for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) any = any || grads[i].defined();
-    if (!any) return none;
-    grads.resize(n);
+    const auto d = part_grads(grads, n);
+    if (d.empty()) return variable_list(8);
     auto s = ctx->get_saved_variables();
     const Tensor &xq_t = s[0], &wq_t = s[1], &sx = s[2], &sw = s[3], &state = s[4];
     const Use u = use_of(op, ctx->saved_data["mode"].toInt(), state, ctx->saved_data["slot"].toInt(), state);
     const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) && xq_t.defined();
     const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2);
-    auto c = merge_codes(op, grads, n, u, need_dx, need_dw, need_db);
+    auto c = merge_codes(op, d, u, need_dx, need_dw, need_db);
     const auto dt = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     auto [dx2, dw] = backward_gemms(c[0], c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx, sw, dt, dt,
                                     key_of(ctx, "wkey"));

@@ -45,6 +45,25 @@ struct HeadGrads {
 };
 HeadGrads gather_head_grads(const std::vector<OptTensor>& ds, bool aligned16);
 std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_dbias);
+// The n head parts [B, H, T, D] of a projection's output y2 [B * T, n * H * D] as views, nothing copied: part i is
+// columns [i * H * D, (i + 1) * H * D) of every row (ag_linear_split, ag_fp8_linear_split).
+inline std::vector<Tensor> head_views(const Tensor& y2, int64_t B, int64_t T, int64_t n, int64_t num_heads) {
+  Tensor y5 = y2.view({B, T, n, num_heads, y2.size(-1) / (n * num_heads)});
+  std::vector<Tensor> parts;
+  for (int64_t i = 0; i < n; ++i) parts.push_back(y5.select(2, i).permute({0, 2, 1, 3}));
+  return parts;
+}
+// The gradients a node got for its n head parts (a part without one: empty), or nothing when no part got one.
+inline std::vector<OptTensor> part_grads(const std::vector<Tensor>& grads, int64_t n) {
+  bool any = false;
+  std::vector<OptTensor> d(n);
+  for (int64_t i = 0; i < n && i < (int64_t)grads.size(); ++i) {
+    if (grads[i].defined()) d[i] = grads[i];
+    any = any || d[i].has_value();
+  }
+  if (!any) d.clear();
+  return d;
+}
 Tensor merge_heads_fwd(const Tensor& x);
 Tensor merge_heads_bwd(const Tensor& dy, int64_t num_heads);
 
