@@ -293,6 +293,53 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
   }
 }
 
+// The cast of a summing source whose rows are read in order (the activation gradients): its tiles are walked in
+// work items of `chunk` consecutive 64-row tiles of one 64-column strip (the strips of a chunk side by side in the
+// item order). Each thread adds its rows' raw values in registers, in increasing row order, and a work item's
+// column sums leave once, as row item / strips of partial ([chunks, K] floats): one block reduction per chunk
+// instead of one per tile. chunk depends on the shape only (cast_chunk), so the order of the sums does too.
+template <typename Source>
+__global__ void __launch_bounds__(kThreads, 4)
+    chunked_cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt,
+                        uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp,
+                        float* __restrict__ partial, int chunk) {
+  static_assert(Source::kSums, "a summing source");
+  __shared__ __align__(16) uint8_t tile_t[2][kTile * kTile];
+  const float s = row[kFp8Scale];
+  const int tiles_m = (int)((Mp + kTile - 1) / kTile), tiles_k = (int)((K + kTile - 1) / kTile);
+  const int chunks = (tiles_m + chunk - 1) / chunk;
+  const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
+  unsigned m = 0u;
+  int buf = 0;
+  src.begin();
+  for (int w = blockIdx.x; w < chunks * tiles_k; w += gridDim.x) {
+    const int ci = w / tiles_k, k0 = (w - ci * tiles_k) * kTile;
+    const int64_t j = k0 + c;
+    const int tm_end = min(tiles_m, (ci + 1) * chunk);
+    float acc[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+    for (int tm = ci * chunk; tm < tm_end; ++tm, buf ^= 1) {
+      const int64_t m0 = (int64_t)tm * kTile, i = m0 + r;
+      float v[16], raw[16];
+      if (i < M && j < K) {
+        src.load16(i, j, v, raw);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 16; ++k) v[k] = raw[k] = 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < 16; ++k) acc[k] += raw[k];
+      const uint4 packed = to_codes<uint4>(v, s, fmt, m);
+      if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
+      if (out_t != nullptr) store_transposed(packed, tile_t[buf], m0, k0, K, Mp, out_t);
+    }
+    if (partial != nullptr) tile_colsum(acc, partial + (int64_t)ci * K, k0, K);  // uniform over the block
+  }
+  m = block_max_bits<kThreads>(m);
+  if (threadIdx.x == 0) record_amax(row, m);
+}
+
 // The transposed codes [K, Mp] of row-major codes q [M, K] (rows M .. Mp - 1 of the transpose zero), through the
 // cast's store_transposed: each thread reads 16 codes of a row as one word and writes 16 of a transposed row.
 __global__ void transpose_codes_kernel(const uint8_t* __restrict__ q, int64_t M, int64_t K,
@@ -334,6 +381,15 @@ int blocks_for(int64_t work, int64_t per_block) {
 
 // rows of 64 x 64 tiles over the [max(M, Mp), K] tensor the cast walks
 int64_t tile_rows(int64_t M, int64_t Mp) { return ((Mp > M ? Mp : M) + kTile - 1) / kTile; }
+
+// tiles a work item of chunked_cast_kernel: the most, up to 8, that still leave at least 512 work items (about
+// three per SM), so that the grid stays full
+int cast_chunk(int64_t M, int64_t K, int64_t Mp) {
+  const int64_t tm = tile_rows(M, Mp), tk = (K + kTile - 1) / kTile;
+  int c = 8;
+  while (c > 1 && (tm + c - 1) / c * tk < 512) c /= 2;
+  return c;
+}
 
 // the grid of a tile kernel (cast_kernel, transpose_codes_kernel): one tile per block and step, no more blocks than
 // the GPU holds at once with its registers (one wave)
@@ -428,9 +484,20 @@ template <typename T, Act A>
 void launch_grad_cast(const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M, int64_t K,
                       float p, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp, void* dbias,
                       float* partial, cudaStream_t stream) {
-  const ActDropoutGradSource<T, A> src{static_cast<const T*>(dy), static_cast<const T*>(x),
-                                       static_cast<const T*>(bias), keep, K, 1.f / (1.f - p)};
-  launch_summing_cast<T>(src, M, K, row, fmt, out, out_t, Mp, dbias, partial, stream, "fp8_act_dropout_grad");
+  using Source = ActDropoutGradSource<T, A>;
+  const Source src{static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(bias), keep, K,
+                   1.f / (1.f - p)};
+  const char* name = "fp8_act_dropout_grad";
+  float* sums = dbias != nullptr ? partial : nullptr;
+  const int chunk = sums != nullptr ? cast_chunk(M, K, Mp) : 1;
+  const int64_t items = (tile_rows(M, Mp) + chunk - 1) / chunk * ((K + kTile - 1) / kTile);
+  const int64_t resident = resident_blocks<chunked_cast_kernel<Source>, kThreads>();
+  chunked_cast_kernel<<<blocks_for(items < resident ? items : resident, 1), kThreads, 0, stream>>>(
+      src, M, K, row, fmt, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp, sums, chunk);
+  check_launch(name, stream);
+  if (dbias == nullptr) return;
+  T* const outs[1] = {static_cast<T*>(dbias)};
+  colsum_finalize<T, 1>(partial, (int)((tile_rows(M, Mp) + chunk - 1) / chunk), (int)K, outs, stream, name);
 }
 }  // namespace
 

@@ -48,6 +48,15 @@ inline int64_t mask_bytes(int64_t n) { return (n + 7) / 8; }
 void layer_norm_fwd(DType dt, const void* x, const void* residual, const void* gamma, const void* beta,
                     void* y, void* sum_out, float* mean, float* rstd, int64_t rows, int C, float eps,
                     cudaStream_t stream);
+// The layer norm of x [rows, C] (no residual) written only as e4m3 codes under the delayed scale of the FP8 state
+// row `row` (its amax records the output's maximum): exactly fp8_quantize's codes of layer_norm_fwd's output, out
+// [rows, C] and out_t [C, Mp] (nullable; rows .. Mp - 1 zero; Mp a multiple of 16 >= rows); mean/rstd as
+// layer_norm_fwd's.
+// C 256, 512 or 1024 (layer_norm_codes_supported), 16-byte aligned buffers, bf16 or fp16.
+bool layer_norm_codes_supported(int C);
+void layer_norm_codes(DType dt, const void* x, const void* gamma, const void* beta, float* mean, float* rstd,
+                      int64_t rows, int C, float eps, float* row, void* out, void* out_t, int64_t Mp,
+                      cudaStream_t stream);
 // Floats of workspace layer_norm_bwd needs.
 int64_t layer_norm_bwd_workspace(int64_t rows, int C);
 // dx = LN'(xin)^T dy [+ dsum]; dgamma, dbeta = column sums. beta == nullptr: xin is the LN input and mean is

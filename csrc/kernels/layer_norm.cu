@@ -20,6 +20,7 @@
 #include <initializer_list>
 
 #include "kernels/colsum.cuh"
+#include "kernels/fp8_codes.cuh"
 
 namespace ls {
 
@@ -220,6 +221,141 @@ void layer_norm_fwd(DType dt, const void* x, const void* residual, const void* g
                                                                   static_cast<T*>(sum_out), mean, rstd, rows, C, eps);
     LS_CHECK_LAUNCH("layer_norm_fwd", stream);
   });
+}
+
+// ================================================================ forward, output as FP8 codes
+// The layer norm of x [rows, C] written only as the e4m3 codes the FP8 projection after it reads (fp8.cu's cast of
+// layer_norm_fwd's output under the delayed scale of state row `row`, whose amax records the output's maximum).
+// A warp takes a row: lane j holds the 8-column groups of layer_norm_fwd_kernel's threads j, j + 32, ... (one per
+// warp of its row), and sums them as those warps do (the butterfly within each, then the warps in order), so the
+// mean, the variance, y rounded to T and its codes are those of layer_norm_fwd and fp8_quantize bit for bit, with
+// no barrier per row. A block takes a band of kLnBand rows: the row-major codes go straight out, and through shared
+// memory the band's transposed codes, out_t[c, band rows] (rows rows .. Mp - 1 zero; out_t nullptr: none).
+constexpr int kLnBand = 16;
+constexpr int kLnCodesWarps = 8;
+constexpr int kLnRowsPerWarp = kLnBand / kLnCodesWarps;
+
+template <typename T, int C>
+__global__ void __launch_bounds__(32 * kLnCodesWarps, 2) layer_norm_codes_kernel(
+    const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta, float* __restrict__ mean_out,
+    float* __restrict__ rstd_out, int64_t rows, float eps, float* __restrict__ row_state, uint8_t* __restrict__ out,
+    uint8_t* __restrict__ out_t, int64_t Mp) {
+  constexpr int V = C / 256;        // layer_norm_fwd_kernel's warps a row: the groups a lane holds
+  constexpr int kStride = C + 4;    // bytes a band row in shared memory: the transposing reads of a warp differ in bank
+  __shared__ __align__(16) uint8_t band[kLnBand * kStride];
+  __shared__ unsigned warp_max[kLnCodesWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t m0 = (int64_t)blockIdx.x * kLnBand;
+  const float s = row_state[kFp8Scale];
+  uint4 raw[kLnRowsPerWarp][V];  // every row's values loaded before the first is used
+#pragma unroll
+  for (int i = 0; i < kLnRowsPerWarp; ++i) {
+    const int64_t r = m0 + warp + i * kLnCodesWarps;
+#pragma unroll
+    for (int w = 0; w < V; ++w)
+      raw[i][w] = r < rows ? *reinterpret_cast<const uint4*>(x + r * C + 8 * (32 * w + lane)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  unsigned m = 0u;
+#pragma unroll
+  for (int i = 0; i < kLnRowsPerWarp; ++i) {
+    const int rr = warp + i * kLnCodesWarps;
+    const int64_t r = m0 + rr;
+    const bool valid = r < rows;
+    const T* t = reinterpret_cast<const T*>(&raw[i][0]);  // [w * 8 + k]: converted where used, not kept in fp32
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < V; ++w) {
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) sum += to_f(t[w * 8 + k]);
+      total += warp_sum(sum);
+    }
+    const float mean = total / C;
+    float qt = 0.f;
+#pragma unroll
+    for (int w = 0; w < V; ++w) {
+      float q = 0.f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float d = to_f(t[w * 8 + k]) - mean;
+        q += d * d;
+      }
+      qt += warp_sum(q);
+    }
+    const float var = qt / C;
+    const float rstd = rsqrtf(var + eps);
+#pragma unroll
+    for (int w = 0; w < V; ++w) {
+      const int c0 = 8 * (32 * w + lane);
+      float g[8], b[8], o[8];
+      load8(gamma + c0, g);
+      load8(beta + c0, b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = valid ? to_f(from_f<T>((to_f(t[w * 8 + k]) - mean) * rstd * g[k] + b[k])) : 0.f;
+      const uint2 packed = to_codes<uint2>(o, s, Fp8Format::E4M3, m);
+      if (valid) *reinterpret_cast<uint2*>(out + r * C + c0) = packed;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(band + rr * kStride + c0);
+      dst[0] = packed.x;
+      dst[1] = packed.y;
+    }
+    if (valid && lane == 0) {
+      mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  // out_t[c, m0 .. m0 + 15]: the 16 codes of column c gathered from the band's rows, one 16-byte store
+  if (out_t != nullptr && m0 < Mp) {
+    for (int c = threadIdx.x; c < C; c += 32 * kLnCodesWarps) {
+      uint4 word;
+      uint8_t* bytes = reinterpret_cast<uint8_t*>(&word);
+#pragma unroll
+      for (int k = 0; k < 16; ++k) bytes[k] = band[k * kStride + c];
+      *reinterpret_cast<uint4*>(out_t + (int64_t)c * Mp + m0) = word;
+    }
+  }
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kLnCodesWarps; ++w) m = max(m, warp_max[w]);
+    record_amax(row_state, m);
+  }
+}
+
+bool layer_norm_codes_supported(int C) { return C == 256 || C == 512 || C == 1024; }
+
+namespace {
+template <typename T, int C>
+void launch_ln_codes(const void* x, const void* gamma, const void* beta, float* mean, float* rstd, int64_t rows,
+                     float eps, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
+  const int64_t grid = (Mp + kLnBand - 1) / kLnBand;
+  layer_norm_codes_kernel<T, C><<<grid, 32 * kLnCodesWarps, 0, stream>>>(
+      static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta), mean, rstd, rows, eps, row,
+      static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp);
+}
+
+template <typename T>
+void launch_ln_codes(int C, const void* x, const void* gamma, const void* beta, float* mean, float* rstd,
+                     int64_t rows, float eps, float* row, void* out, void* out_t, int64_t Mp, cudaStream_t stream) {
+  if (C == 256) launch_ln_codes<T, 256>(x, gamma, beta, mean, rstd, rows, eps, row, out, out_t, Mp, stream);
+  else if (C == 512) launch_ln_codes<T, 512>(x, gamma, beta, mean, rstd, rows, eps, row, out, out_t, Mp, stream);
+  else launch_ln_codes<T, 1024>(x, gamma, beta, mean, rstd, rows, eps, row, out, out_t, Mp, stream);
+}
+}  // namespace
+
+void layer_norm_codes(DType dt, const void* x, const void* gamma, const void* beta, float* mean, float* rstd,
+                      int64_t rows, int C, float eps, float* row, void* out, void* out_t, int64_t Mp,
+                      cudaStream_t stream) {
+  if (rows <= 0) return;
+  if (!layer_norm_codes_supported(C)) throw std::runtime_error("layer_norm_codes: hidden size must be 256, 512 or 1024");
+  if (dt == DType::BF16)
+    launch_ln_codes<__nv_bfloat16>(C, x, gamma, beta, mean, rstd, rows, eps, row, out, out_t, Mp, stream);
+  else if (dt == DType::F16)
+    launch_ln_codes<__half>(C, x, gamma, beta, mean, rstd, rows, eps, row, out, out_t, Mp, stream);
+  else
+    throw std::runtime_error("layer_norm_codes: bfloat16 or float16 input expected");
+  LS_CHECK_LAUNCH("layer_norm_codes", stream);
 }
 
 // One wave: the backward kernel needs 64 registers a thread, so an SM holds 1024 of its threads, and a grid sized for

@@ -122,6 +122,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"), py::arg("residual"),
         py::arg("activation"), py::arg("p"), py::arg("p_out"), py::arg("mode"), py::arg("state"), py::arg("slot1"),
         py::arg("slot2"), py::arg("keep_codes") = true);
+  m.def("ag_fp8_ln_linear_split", guarded(&ag_fp8_ln_linear_split),
+        "ag_fp8_linear_split of layer_norm(x), the layer norm written only as the projection's input codes: the "
+        "parts, then x (fp8.cpp)",
+        py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("weight"),
+        py::arg("bias") = none, py::arg("n"), py::arg("num_heads"), py::arg("mode"), py::arg("state"),
+        py::arg("slot"));
+  m.def("ag_fp8_ln_ffn", guarded(&ag_fp8_ln_ffn),
+        "ag_fp8_ffn of layer_norm(x) with x as the residual, the layer norm written only as the first projection's "
+        "input codes (fp8.cpp)",
+        py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("w1"), py::arg("b1"),
+        py::arg("w2"), py::arg("b2"), py::arg("activation"), py::arg("p"), py::arg("p_out"), py::arg("mode"),
+        py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true);
   // packed sequences when cu_q is given (with cu_k, max_q, max_k: ops.h)
   m.def("short_attention_fits", guarded(+[](const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
                                              const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q,

@@ -130,15 +130,61 @@ void check_residual(const char* op, const Tensor& residual, const Tensor& x, int
 
 // The forward's GEMM and what the backward keeps: [y2, x's transposed codes (or undefined), W's transposed codes,
 // 1/s of x, 1/s of W]
-std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias, const Use& u,
-                                   bool keep_x) {
+// The same from the input's codes xq (and xq_t, kept for the backward, or undefined); dt: the output's dtype
+std::vector<Tensor> codes_forward(const Tensor& xq, const Tensor& xq_t, at::ScalarType dt, const Tensor& weight,
+                                  const OptTensor& bias, const Use& u) {
   const char* op = "fp8_linear";
-  auto [xq, xq_t] = quantize(op, x2, u.state, u.row(0), ls::Fp8Format::E4M3, u.current, true, keep_x);
   auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, u.current, true, true);
   Tensor sx = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
   // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes
-  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, x2.scalar_type(), true);
+  Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, dt, true);
   return {y2, xq_t, wq_t, sx, sw};
+}
+
+std::vector<Tensor> linear_forward(const Tensor& x2, const Tensor& weight, const OptTensor& bias, const Use& u,
+                                   bool keep_x) {
+  auto [xq, xq_t] = quantize("fp8_linear", x2, u.state, u.row(0), ls::Fp8Format::E4M3, u.current, true, keep_x);
+  return codes_forward(xq, xq_t, x2.scalar_type(), weight, bias, u);
+}
+
+// A pre-LN block's layer norm of x2 [M, C] as the input codes of the FP8 projection after it (and the transposed
+// codes when keep_x), with its mean and rstd for the backward: under delayed scaling one pass that never writes the
+// layer norm's output (layer_norm_codes: the codes quantize() makes of layer_norm_fwd's output, bit for bit);
+// under current scaling, or a hidden size that kernel does not take, layer_norm_fwd and then quantize().
+// -> [xq, xq_t (or undefined), mean, rstd]
+std::vector<Tensor> pre_ln_codes(const char* op, const Tensor& x2_in, const Tensor& ln_w, const Tensor& ln_b,
+                                 double eps, const Use& u, bool keep_x) {
+  Tensor x2 = aligned(contig(x2_in));
+  const int64_t M = x2.size(0), C = x2.size(1);
+  if (u.current || !ls::layer_norm_codes_supported((int)C)) {
+    auto r = layer_norm_fwd(x2, std::nullopt, ln_w, ln_b, eps);
+    auto [q, q_t] = quantize(op, r[0], u.state, u.row(0), ls::Fp8Format::E4M3, u.current, true, keep_x);
+    return {q, q_t, r[2], r[3]};
+  }
+  Tensor g = aligned(*channel_param(op, "layer norm weight", ln_w, x2, C));
+  Tensor b = aligned(*channel_param(op, "layer norm bias", ln_b, x2, C));
+  Tensor q, q_t;
+  std::tie(q, q_t) = empty_codes(x2, M, C, ls::Fp8Format::E4M3, true, keep_x);
+  auto f32 = x2.options().dtype(at::kFloat);
+  Tensor mean = at::empty({M}, f32), rstd = at::empty({M}, f32);
+  c10::cuda::CUDAGuard guard(x2.device());
+  launch(op, [&] {
+    ls::layer_norm_codes(to_dtype(op, x2), x2.data_ptr(), g.data_ptr(), b.data_ptr(), mean.data_ptr<float>(),
+                         rstd.data_ptr<float>(), M, (int)C, (float)eps,
+                         u.state.data_ptr<float>() + u.row(0) * ls::kFp8Width, q.data_ptr(),
+                         keep_x ? q_t.data_ptr() : nullptr, padded16(M), stream());
+  });
+  return {q, q_t, mean, rstd};
+}
+
+// The layer norm's backward in a node that ran pre_ln_codes: dh2 the gradient of its output [M, C], gsum the
+// residual's gradient (added to dx, nullable) -> [dx2, d weight, d bias] (the weight's and bias's in their dtypes)
+std::vector<Tensor> pre_ln_backward(const Tensor& dh2, const Tensor& gsum, const Tensor& x2, const Tensor& ln_w,
+                                    const Tensor& ln_b, const Tensor& mean, const Tensor& rstd) {
+  auto r = layer_norm_bwd(contig(dh2), gsum.defined() ? OptTensor(contig(gsum.reshape(dh2.sizes()))) : std::nullopt,
+                          x2, ln_w, mean, rstd);
+  return {r[0], r[1].scalar_type() == ln_w.scalar_type() ? r[1] : r[1].to(ln_w.scalar_type()),
+          r[2].scalar_type() == ln_b.scalar_type() ? r[2] : r[2].to(ln_b.scalar_type())};
 }
 
 // The backward's GEMMs from the output gradient's codes: dx = dY W from gq [M, N] (undefined: no dx), dW = dY^T x
@@ -425,20 +471,32 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
                                const Tensor& w2, const OptTensor& b2, const Tensor& residual,
                                const std::string& activation, double p, double p_out, int64_t mode,
-                               const Tensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
+                               const Tensor& state, int64_t slot1, int64_t slot2, bool keep_codes,
+                               const OptTensor& ln_w, const OptTensor& ln_b, double eps) {
     const char* op = "fp8_ffn";
     const Use u1 = use_of(op, mode, state, slot1, x);  // slot2: checked by ag_fp8_ffn and fp8_act_linear_forward
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
-    auto f1 = linear_forward(x2, w1, std::nullopt, u1, w1.requires_grad());  // [h2, xq_t, w1q_t, sx, sw1]
+    const bool ln = present(ln_w);  // pre-LN: the first projection's input is layer_norm(x), residual is x
+    std::vector<Tensor> f1, c;       // f1: [h2, xq_t, w1q_t, sx, sw1]; c (ln): [xq, xq_t, mean, rstd]
+    if (ln) {
+      c = pre_ln_codes(op, x2, *ln_w, *ln_b, eps, u1, w1.requires_grad());
+      f1 = codes_forward(c[0], c[1], x.scalar_type(), w1, std::nullopt, u1);
+    } else {
+      f1 = linear_forward(x2, w1, std::nullopt, u1, w1.requires_grad());
+    }
     const bool relu_bits = keep_codes && activation == "relu";  // relu's backward needs only the bits of a > 0
     auto f2 = fp8_act_linear_forward(f1[0], b1, w2, activation, p, mode, state, slot2, keep_codes, relu_bits);
-    auto o = bias_dropout_residual_fwd(f2[0], b2, contig(residual.reshape({-1, w2.size(0)})), p_out);  // [out, mask]
+    const Tensor res2 = ln ? x2 : contig(residual.reshape({-1, w2.size(0)}));
+    auto o = bias_dropout_residual_fwd(f2[0], b2, res2, p_out);  // [out, mask]
     auto sizes = x.sizes().vec();
     sizes.back() = w2.size(0);
     ctx->set_materialize_grads(false);
-    // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state  mask_out
-    ctx->save_for_backward({relu_bits ? Tensor() : f1[0], f2[1], f1[1], f1[2], f1[3], f1[4], f2[2], f2[3], f2[4],
-                            f2[5], present(b1) ? *b1 : Tensor(), state, o[1]});
+    // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state  mask_out  (ln: x2 ln_w ln_b mean rstd)
+    std::vector<Tensor> keep = {relu_bits ? Tensor() : f1[0], f2[1], f1[1], f1[2], f1[3], f1[4], f2[2], f2[3], f2[4],
+                                f2[5], present(b1) ? *b1 : Tensor(), state, o[1]};
+    if (ln) keep.insert(keep.end(), {x2, *ln_w, *ln_b, c[2], c[3]});
+    ctx->save_for_backward(keep);
+    ctx->saved_data["ln"] = ln;
     ctx->mark_non_differentiable({f2[1], o[1]});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["act"] = activation;
@@ -457,8 +515,9 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const char* op = "fp8_ffn backward";
     const Tensor& g = grads[0];
-    const variable_list none(14);
+    const variable_list none(17);
     if (!g.defined()) return none;
+    const bool ln = ctx->saved_data["ln"].toBool();
     auto s = ctx->get_saved_variables();
     const Tensor &h2 = s[0], &mask_t = s[1], &xq_t = s[2], &w1q_t = s[3], &sx = s[4], &sw1 = s[5];
     const Tensor &sa = s[8], &sw2 = s[9], &mask_out = s[12];
@@ -471,7 +530,9 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     const Use u1 = use_of(op, mode, state, ctx->saved_data["slot1"].toInt(), g);
     const Use u2 = use_of(op, mode, state, slot2, g);
     const OptTensor mask = p > 0 || relu_bits ? OptTensor(mask_t) : std::nullopt;
-    const bool need_dx = ctx->needs_input_grad(0), need_dw1 = ctx->needs_input_grad(1) && xq_t.defined();
+    // (needs_input_grad counts the tensor arguments: x w1 b1 w2 b2 residual state ln_w ln_b)
+    const bool need_ln = ln && (ctx->needs_input_grad(7) || ctx->needs_input_grad(8));
+    const bool need_dx = ctx->needs_input_grad(0) || need_ln, need_dw1 = ctx->needs_input_grad(1) && xq_t.defined();
     const bool need_db = present(b1) && ctx->needs_input_grad(2), need_dw2 = ctx->needs_input_grad(3);
     const bool need_db2 = ctx->saved_data["hb2"].toBool() && ctx->needs_input_grad(4);
 
@@ -487,14 +548,21 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
                             need_dw1, need_db);
     auto [dx2, dw1] = backward_gemms(c[0], c[1], scale_inv_of(state, u1.row(2)), xq_t, w1q_t, sx, sw1,
                                      g2.scalar_type(), g2.scalar_type(), key_of(ctx, "w1key"));
-    Tensor dx = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
-    variable_list out(14);
-    out[0] = dx;
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    variable_list out(17);
+    if (ln && need_dx) {  // the layer norm's backward, with the residual's gradient g added into x's
+      auto r = pre_ln_backward(dx2, g, s[13], s[14], s[15], s[16], s[17]);
+      out[0] = ctx->needs_input_grad(0) ? at::_unsafe_view(r[0], x_sizes) : Tensor();
+      out[14] = r[1];
+      out[15] = r[2];
+    } else {
+      out[0] = need_dx ? at::_unsafe_view(dx2, x_sizes) : Tensor();
+    }
     out[1] = dw1;
     out[2] = need_db ? c[2] : Tensor();
     out[3] = need_dw2 ? dw2 : Tensor();
     out[4] = need_db2 ? c2[2] : Tensor();
-    out[5] = ctx->needs_input_grad(5) ? g : Tensor();  // the residual's gradient: g itself
+    out[5] = !ln && ctx->needs_input_grad(5) ? g : Tensor();  // the residual's gradient: g itself
     return out;
   }
 };
@@ -523,7 +591,30 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
     return {o[0], r[1], o[1]};
   }
   return Fp8FfnNode::apply(x, w1, b1, w2, b2, residual, activation, p, p_out, mode, u.state, slot1, slot2,
-                           keep_codes);
+                           keep_codes, std::nullopt, std::nullopt, 0.0);
+}
+
+std::vector<Tensor> ag_fp8_ln_ffn(const Tensor& x, const Tensor& ln_w, const Tensor& ln_b, double eps,
+                                  const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2,
+                                  const std::string& activation, double p, double p_out, int64_t mode,
+                                  const OptTensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
+  const char* op = "fp8_ln_ffn";
+  if (x.numel() == 0 || x.dim() < 2 || w2.dim() != 2 || w2.size(0) != x.size(-1)) {  // the chain (and its checks)
+    auto r = ag_pre_layer_norm(x, ln_w, ln_b, eps, false);
+    return ag_fp8_ffn(r[0], w1, b1, w2, b2, r[1], activation, p, p_out, mode, state, slot1, slot2, keep_codes);
+  }
+  LS_CHECK(w1.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0), op, ": input ", x.sizes(),
+           ", first weight ", w1.sizes(), " and second weight ", w2.sizes(), " do not chain");
+  check_projection(op, x, w1, b1);
+  check_projection(op, x, w2, b2);
+  check_p(op, p);
+  check_p(op, p_out);
+  parse_act(op, activation);
+  const Use u = use_of(op, mode, state, slot1, x);
+  use_of(op, mode, state, slot2, x);
+  // x is also the residual: its gradient reaches x through the layer norm's backward, not as the residual's
+  return Fp8FfnNode::apply(x, w1, b1, w2, b2, x, activation, p, p_out, mode, u.state, slot1, slot2, keep_codes,
+                           ln_w, ln_b, eps);
 }
 
 namespace {
@@ -603,41 +694,75 @@ namespace {
 // gradient leaves the heads' gradients as codes (with the bias gradient summed on the way), never merged in the
 // model's precision nor quantised by a pass of its own. Every value but the bias gradient (the same sum in another
 // order) equals bit for bit that of the chain ag_fp8_linear (with the bias) -> the heads as views of its output.
+// With ln_w (a pre-LN block): x is the block's input and the projection's input is layer_norm(x) (ln_w, ln_b, eps),
+// made by pre_ln_codes as codes only; the node then also returns x (the block's residual), whose gradient the layer
+// norm's backward adds into x's, as PreLayerNormNode does.
 struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
-                               int64_t n, int64_t num_heads, int64_t mode, const Tensor& state, int64_t slot) {
-    const Use u = use_of("fp8_linear_split", mode, state, slot, x);
+                               int64_t n, int64_t num_heads, int64_t mode, const Tensor& state, int64_t slot,
+                               const OptTensor& ln_w, const OptTensor& ln_b, double eps) {
+    const char* op = "fp8_linear_split";
+    const Use u = use_of(op, mode, state, slot, x);
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
+    const bool ln = present(ln_w);
     // the bias in the GEMM's epilogue; the parts are views of its output (as ag_linear_split's, autograd.cpp)
-    auto f = linear_forward(x2, weight, bias, u, weight.requires_grad());  // [y2, xq_t, wq_t, sx, sw]
+    std::vector<Tensor> f, c;  // f: [y2, xq_t, wq_t, sx, sw]; c (ln): [xq, xq_t, mean, rstd]
+    if (ln) {
+      c = pre_ln_codes(op, x2, *ln_w, *ln_b, eps, u, weight.requires_grad());
+      f = codes_forward(c[0], c[1], x.scalar_type(), weight, bias, u);
+    } else {
+      f = linear_forward(x2, weight, bias, u, weight.requires_grad());
+    }
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
+    if (ln)
+      ctx->save_for_backward({f[1], f[2], f[3], f[4], state, x2, *ln_w, *ln_b, c[2], c[3]});
+    else
+      ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["n"] = n;
+    ctx->saved_data["ln"] = ln;
     ctx->saved_data["mode"] = mode;
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["wkey"] = key_value(weight);
-    return head_views(f[0], x.size(0), x.size(1), n, num_heads);
+    auto out = head_views(f[0], x.size(0), x.size(1), n, num_heads);
+    if (ln) out.push_back(x.view_as(x));
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const char* op = "fp8_linear_split backward";
     const int64_t n = ctx->saved_data["n"].toInt();
+    const bool ln = ctx->saved_data["ln"].toBool();
+    const Tensor gx = ln && (int64_t)grads.size() > n ? grads[n] : Tensor();  // the residual's gradient
     const auto d = part_grads(grads, n);
-    if (d.empty()) return variable_list(8);
+    variable_list out(11);
+    if (d.empty()) {
+      out[0] = gx;
+      return out;
+    }
     auto s = ctx->get_saved_variables();
     const Tensor &xq_t = s[0], &wq_t = s[1], &sx = s[2], &sw = s[3], &state = s[4];
     const Use u = use_of(op, ctx->saved_data["mode"].toInt(), state, ctx->saved_data["slot"].toInt(), state);
-    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1) && xq_t.defined();
+    // (needs_input_grad counts the tensor arguments: x, weight, bias, state, ln_w, ln_b)
+    const bool need_ln = ln && (ctx->needs_input_grad(4) || ctx->needs_input_grad(5));
+    const bool need_dx = ctx->needs_input_grad(0) || need_ln;
+    const bool need_dw = ctx->needs_input_grad(1) && xq_t.defined();
     const bool need_db = ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2);
     auto c = merge_codes(op, d, u, need_dx, need_dw, need_db);
     const auto dt = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     auto [dx2, dw] = backward_gemms(c[0], c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx, sw, dt, dt,
                                     key_of(ctx, "wkey"));
-    variable_list out(8);
-    out[0] = need_dx ? at::_unsafe_view(dx2, ctx->saved_data["x_sizes"].toIntVector()) : Tensor();
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    if (ln && need_dx) {
+      auto r = pre_ln_backward(dx2, gx, s[5], s[6], s[7], s[8], s[9]);
+      out[0] = ctx->needs_input_grad(0) ? at::_unsafe_view(r[0], x_sizes) : Tensor();
+      out[8] = r[1];
+      out[9] = r[2];
+    } else {
+      out[0] = need_dx ? at::_unsafe_view(dx2, x_sizes) : Tensor();
+    }
     out[1] = dw;
     out[2] = need_db ? c[2] : Tensor();
     return out;
@@ -657,7 +782,28 @@ std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, c
   check_projection(op, x, weight, bias);
   const Use u = use_of(op, mode, state, slot, x);
   if (x.numel() == 0) return ag_split_heads(ag_linear(x, weight, std::nullopt), bias, n, num_heads);
-  return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot);
+  return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot, std::nullopt, std::nullopt,
+                                   0.0);
+}
+
+std::vector<Tensor> ag_fp8_ln_linear_split(const Tensor& x, const Tensor& ln_w, const Tensor& ln_b, double eps,
+                                           const Tensor& weight, const OptTensor& bias, int64_t n, int64_t num_heads,
+                                           int64_t mode, const OptTensor& state, int64_t slot) {
+  const char* op = "fp8_ln_linear_split";
+  if (x.numel() == 0 || x.dim() != 3) {  // the chain (whose checks name what is wrong)
+    auto r = ag_pre_layer_norm(x, ln_w, ln_b, eps, false);
+    auto parts = ag_fp8_linear_split(r[0], weight, bias, n, num_heads, mode, state, slot);
+    parts.push_back(r[1]);
+    return parts;
+  }
+  LS_CHECK(n >= 1, op, ": n must be >= 1, got ", n);
+  LS_CHECK(num_heads >= 1 && weight.dim() == 2 && weight.size(0) % (n * num_heads) == 0, op, ": weight ",
+           weight.sizes(), " does not split into ", n, " parts of ", num_heads, " heads");
+  LS_CHECK(x.size(-1) == weight.size(1), op, ": input ", x.sizes(), " does not match weight ", weight.sizes(),
+           " (expected [batch, length, ", weight.size(1), "])");
+  check_projection(op, x, weight, bias);
+  const Use u = use_of(op, mode, state, slot, x);
+  return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot, ln_w, ln_b, eps);
 }
 
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,

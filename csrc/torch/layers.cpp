@@ -204,20 +204,39 @@ Tensor projection_output(const Tensor& h, const Tensor& weight, const Tensor& bi
   return block_output(ag_linear_mode(h, weight, std::nullopt, f), bias, residual, a, w, b, eps);
 }
 
+// whether a pre-LN block's layer norm goes into its FP8 projection's node (written only as the input codes)
+bool ln_into_fp8(const LayerArgs& a, const Fp8Args& f, const Tensor& weight) {
+  return a.pre && !a.invertible && f.mode > 0 && fp8_linear_shapes_ok(weight);
+}
+
 Tensor self_attention_block(const Tensor& x, const OptTensor& attend, bool causal, const std::vector<Tensor>& w,
                             double eps, const LayerArgs& a, const Packed* vl) {
-  auto [h, residual] = block_input(x, a, w[0], w[1], eps);
-  auto parts = linear_split(h, w[2], w[3], 3, a.num_heads, a.fp8.at(0));
+  std::vector<Tensor> parts;
+  Tensor residual;
+  if (ln_into_fp8(a, a.fp8.at(0), w[2])) {
+    const Fp8Args& f = a.fp8.at(0);
+    parts = ag_fp8_ln_linear_split(x, w[0], w[1], eps, w[2], w[3], 3, a.num_heads, f.mode, f.state, f.slot);
+    residual = parts.back();
+    parts.pop_back();
+  } else {
+    Tensor h;
+    std::tie(h, residual) = block_input(x, a, w[0], w[1], eps);
+    parts = linear_split(h, w[2], w[3], 3, a.num_heads, a.fp8.at(0));
+  }
   Tensor out = attention(parts[0], parts[1], parts[2], attend, causal, a.p.attn, a.short_len, vl);
   return projection_output(merge_heads(out), w[4], w[5], residual, a.fp8.at(1), a, w[0], w[1], eps);
 }
 
 Tensor ffn_block(const Tensor& x, const std::vector<Tensor>& w, double eps, const std::string& activation,
                  const LayerArgs& a) {
-  auto [h, residual] = block_input(x, a, w[6], w[7], eps);
   const Fp8Args f1 = a.fp8.at(2), f = a.fp8.at(3);
   const bool recompute = a.recompute && activation == "gelu";
-  if (f1.mode > 0 && f.mode > 0 && fp8_linear_shapes_ok(w[8]) && fp8_linear_shapes_ok(w[10])) {
+  const bool both_fp8 = f1.mode > 0 && f.mode > 0 && fp8_linear_shapes_ok(w[8]) && fp8_linear_shapes_ok(w[10]);
+  if (both_fp8 && ln_into_fp8(a, f1, w[8]))  // pre-LN: the block's output is the node's (block_end is x)
+    return ag_fp8_ln_ffn(x, w[6], w[7], eps, w[8], w[9], w[10], w[11], activation, a.p.act, a.p.dropout, f.mode,
+                         f.state, f1.slot, f.slot, !recompute)[0];
+  auto [h, residual] = block_input(x, a, w[6], w[7], eps);
+  if (both_fp8) {
     // both projections in FP8: one node with the residual's dropout, the activation and the gradients reaching the
     // projections only as codes
     return block_end(ag_fp8_ffn(h, w[8], w[9], w[10], w[11], residual, activation, a.p.act, a.p.dropout, f.mode,

@@ -243,6 +243,18 @@ std::vector<Tensor> ag_fp8_linear_residual(const Tensor& x, const Tensor& weight
 std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
                                         int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot);
 
+// A pre-LN block's entry with its first projection in FP8: layer_norm(x) (ln_w, ln_b, eps) is never written, only
+// the projection's input codes (fp8.cpp: pre_ln_codes), and the layer norm's backward runs in the node's.
+// ag_fp8_ln_linear_split -> ag_fp8_linear_split's parts, then x (the block's residual);
+// ag_fp8_ln_ffn -> ag_fp8_ffn's outputs, with x as the residual.
+std::vector<Tensor> ag_fp8_ln_linear_split(const Tensor& x, const Tensor& ln_w, const Tensor& ln_b, double eps,
+                                           const Tensor& weight, const OptTensor& bias, int64_t n, int64_t num_heads,
+                                           int64_t mode, const OptTensor& state, int64_t slot);
+std::vector<Tensor> ag_fp8_ln_ffn(const Tensor& x, const Tensor& ln_w, const Tensor& ln_b, double eps,
+                                  const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2,
+                                  const std::string& activation, double p, double p_out, int64_t mode,
+                                  const OptTensor& state, int64_t slot1, int64_t slot2, bool keep_codes);
+
 // Memory modes of the layers (bits of the `memory` argument of encoder_layer_fwd / decoder_layer_fwd).
 constexpr int64_t kInvertibleLayerNorm = 1;  // layer norms keep their output, not their input
 constexpr int64_t kRecomputeActivation = 2;  // the FFN's activation output is recomputed in the backward (gelu)

@@ -116,6 +116,19 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
   LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return {};
 }
+std::vector<Tensor> ag_fp8_ln_linear_split(const Tensor& x, const Tensor& ln_w, const Tensor& ln_b, double eps,
+                                           const Tensor& weight, const OptTensor& bias, int64_t n, int64_t num_heads,
+                                           int64_t mode, const OptTensor& state, int64_t slot) {
+  LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+  return {};
+}
+std::vector<Tensor> ag_fp8_ln_ffn(const Tensor& x, const Tensor& ln_w, const Tensor& ln_b, double eps,
+                                  const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2,
+                                  const std::string& activation, double p, double p_out, int64_t mode,
+                                  const OptTensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
+  LS_CHECK(false, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
+  return {};
+}
 // attention over short sequences: a CUDA kernel only; the layers take SDPA on the CPU
 bool short_attention_fits(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& attend,
                           const Packed* pk) {

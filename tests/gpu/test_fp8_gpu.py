@@ -404,6 +404,78 @@ def test_linear_split_node_equals_the_chain(dtype, B, T, C, H, n, grads):
     _node_equals_chain(run, 3, dtype, ("parts", "dx", "dW"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,T,C,H", [(3, 61, 1024, 16), (2, 37, 512, 8), (1, 9, 256, 4), (2, 29, 64, 4)])
+def test_ln_linear_split_node_equals_the_chain(dtype, B, T, C, H):
+    """A pre-LN block's layer norm inside its FP8 input projection's node (ag_fp8_ln_linear_split): under delayed
+    scaling the layer norm is written only as the projection's input codes (layer_norm_codes, one pass) and its
+    backward runs in the node's, with the residual's gradient added. The parts, the residual, dx, the layer norm's
+    weight and bias gradients, dW, db and the FP8 state equal those of the chain (ag_pre_layer_norm, then
+    ag_fp8_linear_split) bit for bit (_node_equals_chain), for the hidden sizes the one-pass kernel takes (256, 512,
+    1024; row counts that are not multiples of 16) and one it does not (64: the chain's kernels in the node)."""
+    mod = _mod()
+    g = torch.Generator(device="cuda").manual_seed(T * C + H)
+    x = (2 * torch.randn(B, T, C, device="cuda", generator=g) + 0.5).to(dtype)
+    lw = (1 + 0.3 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+    lb = (0.2 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+    w = (torch.randn(3 * C, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
+    b = (0.5 * torch.randn(3 * C, device="cuda", generator=g)).to(dtype)
+    douts = [torch.randn(B, H, T, C // H, device="cuda", generator=g).to(dtype) for _ in range(3)]
+    dres = torch.randn(B, T, C, device="cuda", generator=g).to(dtype)
+
+    def run(kind, st, mode, step):
+        xi, lwi, lbi, wi, bi = (t.clone().requires_grad_() for t in (x, lw, lb, w, b))
+        if kind == "chain":
+            h, res = mod.ag_pre_layer_norm(xi, lwi, lbi, 1e-5, False)
+            parts = mod.ag_fp8_linear_split(h, wi, bi, 3, H, mode, st, 0)
+        else:
+            *parts, res = mod.ag_fp8_ln_linear_split(xi, lwi, lbi, 1e-5, wi, bi, 3, H, mode, st, 0)
+            assert res.data_ptr() == xi.data_ptr()
+        torch.autograd.backward(list(parts) + [res], douts + [dres])
+        assert xi.grad.abs().sum() > 0 and lwi.grad.abs().sum() > 0 and lbi.grad.abs().sum() > 0
+        return torch.stack(list(parts)).detach(), xi.grad, lwi.grad, lbi.grad, wi.grad, bi.grad
+
+    _node_equals_chain(run, 3, dtype, ("parts", "dx", "d ln weight", "d ln bias", "dW"), bias_sum_reordered=False)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 61, 1024, 4096), (2, 37, 256, 1024), (1, 9, 64, 256)])
+def test_ln_ffn_node_equals_the_chain(p, dtype, shape):
+    """A pre-LN FFN block with its layer norm inside the FP8 FFN node (ag_fp8_ln_ffn, x also the residual): output,
+    masks, dx (the layer norm's backward plus the residual's gradient), the layer norm's weight and bias gradients,
+    both weight gradients, both bias gradients and the FP8 state equal those of the chain (ag_pre_layer_norm, then
+    ag_fp8_ffn) bit for bit (_node_equals_chain); C = 64 takes the chain's kernels in the node."""
+    mod = _mod()
+    *lead, C, F = shape
+    g = torch.Generator(device="cuda").manual_seed(F + C + 1)
+    x = (2 * torch.randn(*lead, C, device="cuda", generator=g) - 0.3).to(dtype)
+    lw = (1 + 0.3 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+    lb = (0.2 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+    w1 = (torch.randn(F, C, device="cuda", generator=g) / C ** 0.5).to(dtype)
+    b1 = (0.5 * torch.randn(F, device="cuda", generator=g)).to(dtype)
+    w2 = (torch.randn(C, F, device="cuda", generator=g) / F ** 0.5).to(dtype)
+    b2 = (0.5 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+    dy = torch.randn(*lead, C, device="cuda", generator=g).to(dtype)
+
+    def run(kind, st, mode, step):
+        xi, lwi, lbi, w1i, b1i, w2i, b2i = (t.clone().requires_grad_() for t in (x, lw, lb, w1, b1, w2, b2))
+        torch.manual_seed(17 + step)
+        if kind == "chain":
+            h, res = mod.ag_pre_layer_norm(xi, lwi, lbi, 1e-5, False)
+            out, mask, mask_out = mod.ag_fp8_ffn(h, w1i, b1i, w2i, b2i, res, "relu", p, p / 3, mode, st, 0, 1, True)
+        else:
+            out, mask, mask_out = mod.ag_fp8_ln_ffn(xi, lwi, lbi, 1e-5, w1i, b1i, w2i, b2i, "relu", p, p / 3, mode,
+                                                    st, 0, 1, True)
+        out.backward(dy)
+        assert xi.grad.abs().sum() > 0 and lwi.grad.abs().sum() > 0
+        return (out, mask, mask_out, xi.grad, lwi.grad, lbi.grad, w1i.grad, w2i.grad,
+                torch.cat([b1i.grad, b2i.grad]))
+
+    _node_equals_chain(run, 6, dtype, ("output", "mask", "output mask", "dx", "d ln weight", "d ln bias", "dW1",
+                                       "dW2"), bias_sum_reordered=False)
+
+
 def test_fp8_ffn_node_errors():
     mod = _mod()
     st = torch.zeros(6, fp8.WIDTH, device="cuda")
