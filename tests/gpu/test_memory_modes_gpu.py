@@ -307,10 +307,17 @@ def test_linear_cross_entropy_peak_holds_no_logits():
 
 
 # ---------------------------------------------------------------- lightseq-train with every mode
-@pytest.mark.parametrize("precision", [["--fp16"], ["--bf16", "--fp8", "--fp8-projections", "all"]], ids=["fp16", "bf16_fp8"])
+_FP8 = ["--bf16", "--fp8", "--fp8-projections", "all"]
+
+
+@pytest.mark.parametrize("precision", [["--fp16"], _FP8,
+                                       _FP8 + ["--encoder-normalize-before", "--decoder-normalize-before"]],
+                         ids=["fp16", "bf16_fp8", "bf16_fp8_pre_ln"])
 def test_lightseq_train_with_all_modes_and_graph_step(corpus, tmp_path, precision):
     """All three modes with the CUDA-graph step (and FP8): the same loss curve as without them, within the noise
-    of their different rounding (dropout 0, so the curves are comparable step by step)."""
+    of their different rounding (dropout 0, so the curves are comparable step by step). In pre-LN FP8 the run without
+    modes writes the layer norms before the FP8 projections only as their codes (fp8.cpp: pre_ln_codes) and the run
+    with them (the invertible layer norm) stores them: the two paths against each other."""
     from tests._models import SMALL_LS_TRAIN, train_inner_records
 
     def train(modes, name):
