@@ -177,14 +177,23 @@ std::vector<Tensor> pre_ln_codes(const char* op, const Tensor& x2_in, const Tens
   return {q, q_t, mean, rstd};
 }
 
-// The layer norm's backward in a node that ran pre_ln_codes: dh2 the gradient of its output [M, C], gsum the
-// residual's gradient (added to dx, nullable) -> [dx2, d weight, d bias] (the weight's and bias's in their dtypes)
-std::vector<Tensor> pre_ln_backward(const Tensor& dh2, const Tensor& gsum, const Tensor& x2, const Tensor& ln_w,
-                                    const Tensor& ln_b, const Tensor& mean, const Tensor& rstd) {
-  auto r = layer_norm_bwd(contig(dh2), gsum.defined() ? OptTensor(contig(gsum.reshape(dh2.sizes()))) : std::nullopt,
-                          x2, ln_w, mean, rstd);
-  return {r[0], r[1].scalar_type() == ln_w.scalar_type() ? r[1] : r[1].to(ln_w.scalar_type()),
-          r[2].scalar_type() == ln_b.scalar_type() ? r[2] : r[2].to(ln_b.scalar_type())};
+// Out[0], the gradient of a node's input x [..., C], from its first projection's input gradient dx2 [rows, C]: with
+// the node's layer norm (ln; the saved tensors s[ln_saved ..] x2, ln_w, ln_b, mean, rstd), that layer norm's
+// backward with the residual's gradient gsum (nullable) added into x's, and the layer norm's weight and bias
+// gradients into out[ln_out], out[ln_out + 1] (in their dtypes); else dx2 in x's shape.
+void input_grads(AutogradContext* ctx, variable_list& out, const Tensor& dx2, const Tensor& gsum, bool ln,
+                 bool need_dx, const variable_list& s, size_t ln_saved, size_t ln_out) {
+  const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+  if (!ln || !need_dx) {
+    out[0] = need_dx ? at::_unsafe_view(dx2, x_sizes) : Tensor();
+    return;
+  }
+  const Tensor &x2 = s[ln_saved], &ln_w = s[ln_saved + 1], &ln_b = s[ln_saved + 2];
+  auto r = layer_norm_bwd(contig(dx2), gsum.defined() ? OptTensor(contig(gsum.reshape(dx2.sizes()))) : std::nullopt,
+                          x2, ln_w, s[ln_saved + 3], s[ln_saved + 4]);
+  out[0] = ctx->needs_input_grad(0) ? at::_unsafe_view(r[0], x_sizes) : Tensor();
+  out[ln_out] = r[1].scalar_type() == ln_w.scalar_type() ? r[1] : r[1].to(ln_w.scalar_type());
+  out[ln_out + 1] = r[2].scalar_type() == ln_b.scalar_type() ? r[2] : r[2].to(ln_b.scalar_type());
 }
 
 // The backward's GEMMs from the output gradient's codes: dx = dY W from gq [M, N] (undefined: no dx), dW = dY^T x
@@ -548,16 +557,8 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
                             need_dw1, need_db);
     auto [dx2, dw1] = backward_gemms(c[0], c[1], scale_inv_of(state, u1.row(2)), xq_t, w1q_t, sx, sw1,
                                      g2.scalar_type(), g2.scalar_type(), key_of(ctx, "w1key"));
-    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     variable_list out(17);
-    if (ln && need_dx) {  // the layer norm's backward, with the residual's gradient g added into x's
-      auto r = pre_ln_backward(dx2, g, s[13], s[14], s[15], s[16], s[17]);
-      out[0] = ctx->needs_input_grad(0) ? at::_unsafe_view(r[0], x_sizes) : Tensor();
-      out[14] = r[1];
-      out[15] = r[2];
-    } else {
-      out[0] = need_dx ? at::_unsafe_view(dx2, x_sizes) : Tensor();
-    }
+    input_grads(ctx, out, dx2, g, ln, need_dx, s, 13, 14);  // with ln, g (the residual's gradient) joins x's there
     out[1] = dw1;
     out[2] = need_db ? c[2] : Tensor();
     out[3] = need_dw2 ? dw2 : Tensor();
@@ -569,15 +570,14 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
 
 }  // namespace
 
-std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
-                               const OptTensor& b2, const Tensor& residual, const std::string& activation, double p,
-                               double p_out, int64_t mode, const OptTensor& state, int64_t slot1, int64_t slot2,
-                               bool keep_codes) {
-  const char* op = "fp8_ffn";
+namespace {
+// What the FFN node needs of its arguments but the residual -> the first projection's use of the state
+Use checked_ffn(const char* op, const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
+                const OptTensor& b2, const std::string& activation, double p, double p_out, int64_t mode,
+                const OptTensor& state, int64_t slot1, int64_t slot2) {
   LS_CHECK(x.dim() >= 2 && w1.dim() == 2 && w2.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0),
            op, ": input ", x.sizes(), ", first weight ", w1.sizes(), " and second weight ", w2.sizes(),
            " do not chain");
-  check_residual(op, residual, x, w2.size(0));
   check_projection(op, x, w1, b1);
   check_projection(op, x, w2, b2);
   check_p(op, p);
@@ -585,6 +585,17 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
   parse_act(op, activation);
   const Use u = use_of(op, mode, state, slot1, x);
   use_of(op, mode, state, slot2, x);
+  return u;
+}
+}  // namespace
+
+std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
+                               const OptTensor& b2, const Tensor& residual, const std::string& activation, double p,
+                               double p_out, int64_t mode, const OptTensor& state, int64_t slot1, int64_t slot2,
+                               bool keep_codes) {
+  const char* op = "fp8_ffn";
+  const Use u = checked_ffn(op, x, w1, b1, w2, b2, activation, p, p_out, mode, state, slot1, slot2);
+  check_residual(op, residual, x, w2.size(0));
   if (x.numel() == 0) {
     auto r = ag_bias_act_dropout(ag_linear(x, w1, std::nullopt), b1, activation, p);
     auto o = ag_bias_dropout_residual(ag_linear(r[0], w2, std::nullopt), b2, residual, p_out);
@@ -599,20 +610,13 @@ std::vector<Tensor> ag_fp8_ln_ffn(const Tensor& x, const Tensor& ln_w, const Ten
                                   const std::string& activation, double p, double p_out, int64_t mode,
                                   const OptTensor& state, int64_t slot1, int64_t slot2, bool keep_codes) {
   const char* op = "fp8_ln_ffn";
-  if (x.numel() == 0 || x.dim() < 2 || w2.dim() != 2 || w2.size(0) != x.size(-1)) {  // the chain (and its checks)
+  if (x.numel() == 0) {  // the chain
     auto r = ag_pre_layer_norm(x, ln_w, ln_b, eps, false);
     return ag_fp8_ffn(r[0], w1, b1, w2, b2, r[1], activation, p, p_out, mode, state, slot1, slot2, keep_codes);
   }
-  LS_CHECK(w1.dim() == 2 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0), op, ": input ", x.sizes(),
-           ", first weight ", w1.sizes(), " and second weight ", w2.sizes(), " do not chain");
-  check_projection(op, x, w1, b1);
-  check_projection(op, x, w2, b2);
-  check_p(op, p);
-  check_p(op, p_out);
-  parse_act(op, activation);
-  const Use u = use_of(op, mode, state, slot1, x);
-  use_of(op, mode, state, slot2, x);
-  // x is also the residual: its gradient reaches x through the layer norm's backward, not as the residual's
+  const Use u = checked_ffn(op, x, w1, b1, w2, b2, activation, p, p_out, mode, state, slot1, slot2);
+  check_residual(op, x, x, w2.size(0));  // x is the residual: the FFN maps it to its own size
+  // x's gradient as the residual reaches x through the layer norm's backward, not as the residual input's
   return Fp8FfnNode::apply(x, w1, b1, w2, b2, x, activation, p, p_out, mode, u.state, slot1, slot2, keep_codes,
                            ln_w, ln_b, eps);
 }
@@ -754,15 +758,7 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     const auto dt = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     auto [dx2, dw] = backward_gemms(c[0], c[1], scale_inv_of(state, u.row(2)), xq_t, wq_t, sx, sw, dt, dt,
                                     key_of(ctx, "wkey"));
-    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    if (ln && need_dx) {
-      auto r = pre_ln_backward(dx2, gx, s[5], s[6], s[7], s[8], s[9]);
-      out[0] = ctx->needs_input_grad(0) ? at::_unsafe_view(r[0], x_sizes) : Tensor();
-      out[8] = r[1];
-      out[9] = r[2];
-    } else {
-      out[0] = need_dx ? at::_unsafe_view(dx2, x_sizes) : Tensor();
-    }
+    input_grads(ctx, out, dx2, gx, ln, need_dx, s, 5, 8);
     out[1] = dw;
     out[2] = need_db ? c[2] : Tensor();
     return out;
@@ -771,16 +767,23 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
 
 }  // namespace
 
-std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
-                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot) {
-  const char* op = "fp8_linear_split";
+namespace {
+// What the projection + head split node needs of its arguments -> the projection's use of the state
+Use checked_split(const char* op, const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
+                  int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot) {
   LS_CHECK(n >= 1, op, ": n must be >= 1, got ", n);
   LS_CHECK(num_heads >= 1 && weight.dim() == 2 && weight.size(0) % (n * num_heads) == 0, op, ": weight ",
            weight.sizes(), " does not split into ", n, " parts of ", num_heads, " heads");
   LS_CHECK(x.dim() == 3 && x.size(-1) == weight.size(1), op, ": input ", x.sizes(), " does not match weight ",
            weight.sizes(), " (expected [batch, length, ", weight.size(1), "])");
   check_projection(op, x, weight, bias);
-  const Use u = use_of(op, mode, state, slot, x);
+  return use_of(op, mode, state, slot, x);
+}
+}  // namespace
+
+std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
+                                        int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot) {
+  const Use u = checked_split("fp8_linear_split", x, weight, bias, n, num_heads, mode, state, slot);
   if (x.numel() == 0) return ag_split_heads(ag_linear(x, weight, std::nullopt), bias, n, num_heads);
   return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot, std::nullopt, std::nullopt,
                                    0.0);
@@ -789,20 +792,13 @@ std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, c
 std::vector<Tensor> ag_fp8_ln_linear_split(const Tensor& x, const Tensor& ln_w, const Tensor& ln_b, double eps,
                                            const Tensor& weight, const OptTensor& bias, int64_t n, int64_t num_heads,
                                            int64_t mode, const OptTensor& state, int64_t slot) {
-  const char* op = "fp8_ln_linear_split";
-  if (x.numel() == 0 || x.dim() != 3) {  // the chain (whose checks name what is wrong)
+  if (x.numel() == 0) {  // the chain
     auto r = ag_pre_layer_norm(x, ln_w, ln_b, eps, false);
     auto parts = ag_fp8_linear_split(r[0], weight, bias, n, num_heads, mode, state, slot);
     parts.push_back(r[1]);
     return parts;
   }
-  LS_CHECK(n >= 1, op, ": n must be >= 1, got ", n);
-  LS_CHECK(num_heads >= 1 && weight.dim() == 2 && weight.size(0) % (n * num_heads) == 0, op, ": weight ",
-           weight.sizes(), " does not split into ", n, " parts of ", num_heads, " heads");
-  LS_CHECK(x.size(-1) == weight.size(1), op, ": input ", x.sizes(), " does not match weight ", weight.sizes(),
-           " (expected [batch, length, ", weight.size(1), "])");
-  check_projection(op, x, weight, bias);
-  const Use u = use_of(op, mode, state, slot, x);
+  const Use u = checked_split("fp8_ln_linear_split", x, weight, bias, n, num_heads, mode, state, slot);
   return Fp8LinearSplitNode::apply(x, weight, bias, n, num_heads, mode, u.state, slot, ln_w, ln_b, eps);
 }
 
