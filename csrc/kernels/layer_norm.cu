@@ -231,6 +231,8 @@ void layer_norm_fwd(DType dt, const void* x, const void* residual, const void* g
 // mean, the variance, y rounded to T and its codes are those of layer_norm_fwd and fp8_quantize bit for bit, with
 // no barrier per row. A block takes a band of kLnBand rows: the row-major codes go straight out, and through shared
 // memory the band's transposed codes, out_t[c, band rows] (rows rows .. Mp - 1 zero; out_t nullptr: none).
+// Two blocks an SM (128 registers a thread: each row's values and gamma, beta held from the loads on), one wave at
+// 8,192 tokens.
 constexpr int kLnBand = 16;
 constexpr int kLnCodesWarps = 8;
 constexpr int kLnRowsPerWarp = kLnBand / kLnCodesWarps;
@@ -241,7 +243,7 @@ __global__ void __launch_bounds__(32 * kLnCodesWarps, 2) layer_norm_codes_kernel
     float* __restrict__ rstd_out, int64_t rows, float eps, float* __restrict__ row_state, uint8_t* __restrict__ out,
     uint8_t* __restrict__ out_t, int64_t Mp) {
   constexpr int V = C / 256;        // layer_norm_fwd_kernel's warps a row: the groups a lane holds
-  constexpr int kStride = C + 4;    // bytes a band row in shared memory: the transposing reads of a warp differ in bank
+  constexpr int kStride = C + 4;    // bytes a band row in shared memory (a warp's stores and reads: one row's bytes)
   __shared__ __align__(16) uint8_t band[kLnBand * kStride];
   __shared__ unsigned warp_max[kLnCodesWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
