@@ -391,11 +391,11 @@ int cast_chunk(int64_t M, int64_t K, int64_t Mp) {
   return c;
 }
 
-// the grid of a tile kernel (cast_kernel, transpose_codes_kernel): one tile per block and step, no more blocks than
-// the GPU holds at once with its registers (one wave)
+// the grid of a tile kernel (cast_kernel, chunked_cast_kernel, transpose_codes_kernel): one tile (work item) per block
+// and step, no more blocks than the GPU holds at once with its registers (one wave)
 template <auto Kernel>
-int tile_blocks(int64_t M, int64_t K, int64_t Mp) {
-  const int64_t tiles = tile_rows(M, Mp) * ((K + kTile - 1) / kTile);
+int tile_blocks(int64_t M, int64_t K, int64_t Mp, int chunk = 1) {  // chunk: tiles a work item (chunked_cast_kernel)
+  const int64_t tiles = (tile_rows(M, Mp) + chunk - 1) / chunk * ((K + kTile - 1) / kTile);
   const int64_t resident = resident_blocks<Kernel, kThreads>();
   return blocks_for(tiles < resident ? tiles : resident, 1);
 }
@@ -467,37 +467,34 @@ void fp8_bias_act_dropout(DType dt, const void* x, const void* bias, uint8_t* ke
 int64_t fp8_grad_partial_floats(int64_t M, int64_t K, int64_t Mp) { return tile_rows(M, Mp) * K; }
 
 namespace {
-// The cast of a summing source: the codes, and the column sums of its raw values into dbias (T, nullable)
-template <typename T, typename Source>
+// The cast of a summing source: the codes, and the column sums of its raw values into dbias (T, nullable); CHUNKED:
+// through chunked_cast_kernel (sources read in row order), else cast_kernel
+template <typename T, bool CHUNKED, typename Source>
 void launch_summing_cast(const Source& src, int64_t M, int64_t K, float* row, Fp8Format fmt, void* out, void* out_t,
                          int64_t Mp, void* dbias, float* partial, cudaStream_t stream, const char* name) {
   float* sums = dbias != nullptr ? partial : nullptr;
-  cast_kernel<<<tile_blocks<cast_kernel<Source>>(M, K, Mp), kThreads, 0, stream>>>(
-      src, M, K, row, fmt, false, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp, sums);
+  const int chunk = CHUNKED && sums != nullptr ? cast_chunk(M, K, Mp) : 1;
+  uint8_t* const o = static_cast<uint8_t*>(out);
+  uint8_t* const o_t = static_cast<uint8_t*>(out_t);
+  if constexpr (CHUNKED)
+    chunked_cast_kernel<<<tile_blocks<chunked_cast_kernel<Source>>(M, K, Mp, chunk), kThreads, 0, stream>>>(
+        src, M, K, row, fmt, o, o_t, Mp, sums, chunk);
+  else
+    cast_kernel<<<tile_blocks<cast_kernel<Source>>(M, K, Mp), kThreads, 0, stream>>>(src, M, K, row, fmt, false, o,
+                                                                                    o_t, Mp, sums);
   check_launch(name, stream);
   if (dbias == nullptr) return;
   T* const outs[1] = {static_cast<T*>(dbias)};
-  colsum_finalize<T, 1>(partial, (int)tile_rows(M, Mp), (int)K, outs, stream, name);
+  colsum_finalize<T, 1>(partial, (int)((tile_rows(M, Mp) + chunk - 1) / chunk), (int)K, outs, stream, name);
 }
 
 template <typename T, Act A>
 void launch_grad_cast(const void* dy, const void* x, const void* bias, const uint8_t* keep, int64_t M, int64_t K,
                       float p, float* row, Fp8Format fmt, void* out, void* out_t, int64_t Mp, void* dbias,
                       float* partial, cudaStream_t stream) {
-  using Source = ActDropoutGradSource<T, A>;
-  const Source src{static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(bias), keep, K,
-                   1.f / (1.f - p)};
-  const char* name = "fp8_act_dropout_grad";
-  float* sums = dbias != nullptr ? partial : nullptr;
-  const int chunk = sums != nullptr ? cast_chunk(M, K, Mp) : 1;
-  const int64_t items = (tile_rows(M, Mp) + chunk - 1) / chunk * ((K + kTile - 1) / kTile);
-  const int64_t resident = resident_blocks<chunked_cast_kernel<Source>, kThreads>();
-  chunked_cast_kernel<<<blocks_for(items < resident ? items : resident, 1), kThreads, 0, stream>>>(
-      src, M, K, row, fmt, static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp, sums, chunk);
-  check_launch(name, stream);
-  if (dbias == nullptr) return;
-  T* const outs[1] = {static_cast<T*>(dbias)};
-  colsum_finalize<T, 1>(partial, (int)((tile_rows(M, Mp) + chunk - 1) / chunk), (int)K, outs, stream, name);
+  const ActDropoutGradSource<T, A> src{static_cast<const T*>(dy), static_cast<const T*>(x),
+                                       static_cast<const T*>(bias), keep, K, 1.f / (1.f - p)};
+  launch_summing_cast<T, true>(src, M, K, row, fmt, out, out_t, Mp, dbias, partial, stream, "fp8_act_dropout_grad");
 }
 }  // namespace
 
@@ -519,7 +516,7 @@ void fp8_merge_heads_grad(DType dt, const void* const* d, int B, int T_, int n, 
   LS_DISPATCH(dt, T, {
     MergeHeadsSource<T> src{{}, T_, H, D, token_major};
     for (int i = 0; i < n; ++i) src.src[i] = static_cast<const T*>(d[i]);
-    launch_summing_cast<T>(src, M, K, row, fmt, out, out_t, Mp, dbias, partial, stream, "fp8_merge_heads_grad");
+    launch_summing_cast<T, false>(src, M, K, row, fmt, out, out_t, Mp, dbias, partial, stream, "fp8_merge_heads_grad");
   });
 }
 

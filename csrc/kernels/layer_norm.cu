@@ -245,7 +245,6 @@ __global__ void __launch_bounds__(32 * kLnCodesWarps, 2) layer_norm_codes_kernel
   constexpr int V = C / 256;        // layer_norm_fwd_kernel's warps a row: the groups a lane holds
   constexpr int kStride = C + 4;    // bytes a band row in shared memory (a warp's stores and reads: one row's bytes)
   __shared__ __align__(16) uint8_t band[kLnBand * kStride];
-  __shared__ unsigned warp_max[kLnCodesWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t m0 = (int64_t)blockIdx.x * kLnBand;
   const float s = row_state[kFp8Scale];
@@ -305,10 +304,7 @@ __global__ void __launch_bounds__(32 * kLnCodesWarps, 2) layer_norm_codes_kernel
       rstd_out[r] = rstd;
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) warp_max[warp] = m;
-  __syncthreads();
+  m = block_max_bits<32 * kLnCodesWarps>(m);  // its barriers also make the band's shared rows visible
   // out_t[c, m0 .. m0 + 15]: the 16 codes of column c gathered from the band's rows, one 16-byte store
   if (out_t != nullptr && m0 < Mp) {
     for (int c = threadIdx.x; c < C; c += 32 * kLnCodesWarps) {
@@ -319,10 +315,7 @@ __global__ void __launch_bounds__(32 * kLnCodesWarps, 2) layer_norm_codes_kernel
       *reinterpret_cast<uint4*>(out_t + (int64_t)c * Mp + m0) = word;
     }
   }
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kLnCodesWarps; ++w) m = max(m, warp_max[w]);
-    record_amax(row_state, m);
-  }
+  if (threadIdx.x == 0) record_amax(row_state, m);
 }
 
 bool layer_norm_codes_supported(int C) { return C == 256 || C == 512 || C == 1024; }
