@@ -177,10 +177,22 @@ std::vector<Tensor> pre_ln_codes(const char* op, const Tensor& x2_in, const Tens
   return {q, q_t, mean, rstd};
 }
 
+// A node's first projection from its input x2 [M, K]: linear_forward, or with ln_w (a pre-LN block) from the codes
+// of layer_norm(x2) (pre_ln_codes). -> [y2, xq_t, wq_t, sx, sw] and, with ln_w, what input_grads reads of the layer
+// norm (the node saves it after its own tensors): [x2, ln_w, ln_b, mean, rstd]
+std::pair<std::vector<Tensor>, std::vector<Tensor>> first_forward(const char* op, const Tensor& x2,
+                                                                  const OptTensor& ln_w, const OptTensor& ln_b,
+                                                                  double eps, const Tensor& weight,
+                                                                  const OptTensor& bias, const Use& u, bool keep_x) {
+  if (!present(ln_w)) return {linear_forward(x2, weight, bias, u, keep_x), {}};
+  auto c = pre_ln_codes(op, x2, *ln_w, *ln_b, eps, u, keep_x);  // [xq, xq_t, mean, rstd]
+  return {codes_forward(c[0], c[1], x2.scalar_type(), weight, bias, u), {x2, *ln_w, *ln_b, c[2], c[3]}};
+}
+
 // Out[0], the gradient of a node's input x [..., C], from its first projection's input gradient dx2 [rows, C]: with
-// the node's layer norm (ln; the saved tensors s[ln_saved ..] x2, ln_w, ln_b, mean, rstd), that layer norm's
-// backward with the residual's gradient gsum (nullable) added into x's, and the layer norm's weight and bias
-// gradients into out[ln_out], out[ln_out + 1] (in their dtypes); else dx2 in x's shape.
+// the node's layer norm (ln; the saved tensors s[ln_saved ..]: first_forward's x2, ln_w, ln_b, mean, rstd), that
+// layer norm's backward with the residual's gradient gsum (nullable) added into x's, and the layer norm's weight and
+// bias gradients into out[ln_out], out[ln_out + 1] (in their dtypes); else dx2 in x's shape.
 void input_grads(AutogradContext* ctx, variable_list& out, const Tensor& dx2, const Tensor& gsum, bool ln,
                  bool need_dx, const variable_list& s, size_t ln_saved, size_t ln_out) {
   const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
@@ -486,13 +498,8 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     const Use u1 = use_of(op, mode, state, slot1, x);  // slot2: checked by ag_fp8_ffn and fp8_act_linear_forward
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
     const bool ln = present(ln_w);  // pre-LN: the first projection's input is layer_norm(x), residual is x
-    std::vector<Tensor> f1, c;       // f1: [h2, xq_t, w1q_t, sx, sw1]; c (ln): [xq, xq_t, mean, rstd]
-    if (ln) {
-      c = pre_ln_codes(op, x2, *ln_w, *ln_b, eps, u1, w1.requires_grad());
-      f1 = codes_forward(c[0], c[1], x.scalar_type(), w1, std::nullopt, u1);
-    } else {
-      f1 = linear_forward(x2, w1, std::nullopt, u1, w1.requires_grad());
-    }
+    // f1: [h2, xq_t, w1q_t, sx, sw1]
+    auto [f1, ln_keep] = first_forward(op, x2, ln_w, ln_b, eps, w1, std::nullopt, u1, w1.requires_grad());
     const bool relu_bits = keep_codes && activation == "relu";  // relu's backward needs only the bits of a > 0
     auto f2 = fp8_act_linear_forward(f1[0], b1, w2, activation, p, mode, state, slot2, keep_codes, relu_bits);
     const Tensor res2 = ln ? x2 : contig(residual.reshape({-1, w2.size(0)}));
@@ -503,7 +510,7 @@ struct Fp8FfnNode : public torch::autograd::Function<Fp8FfnNode> {
     // h2 f2[1]=mask  xq_t w1q_t sx sw1  aq_t w2q_t sa sw2  b1 state  mask_out  (ln: x2 ln_w ln_b mean rstd)
     std::vector<Tensor> keep = {relu_bits ? Tensor() : f1[0], f2[1], f1[1], f1[2], f1[3], f1[4], f2[2], f2[3], f2[4],
                                 f2[5], present(b1) ? *b1 : Tensor(), state, o[1]};
-    if (ln) keep.insert(keep.end(), {x2, *ln_w, *ln_b, c[2], c[3]});
+    keep.insert(keep.end(), ln_keep.begin(), ln_keep.end());
     ctx->save_for_backward(keep);
     ctx->saved_data["ln"] = ln;
     ctx->mark_non_differentiable({f2[1], o[1]});
@@ -710,18 +717,12 @@ struct Fp8LinearSplitNode : public torch::autograd::Function<Fp8LinearSplitNode>
     Tensor x2 = contig(x.reshape({-1, x.size(-1)}));
     const bool ln = present(ln_w);
     // the bias in the GEMM's epilogue; the parts are views of its output (as ag_linear_split's, autograd.cpp)
-    std::vector<Tensor> f, c;  // f: [y2, xq_t, wq_t, sx, sw]; c (ln): [xq, xq_t, mean, rstd]
-    if (ln) {
-      c = pre_ln_codes(op, x2, *ln_w, *ln_b, eps, u, weight.requires_grad());
-      f = codes_forward(c[0], c[1], x.scalar_type(), weight, bias, u);
-    } else {
-      f = linear_forward(x2, weight, bias, u, weight.requires_grad());
-    }
+    // f: [y2, xq_t, wq_t, sx, sw]
+    auto [f, ln_keep] = first_forward(op, x2, ln_w, ln_b, eps, weight, bias, u, weight.requires_grad());
     ctx->set_materialize_grads(false);
-    if (ln)
-      ctx->save_for_backward({f[1], f[2], f[3], f[4], state, x2, *ln_w, *ln_b, c[2], c[3]});
-    else
-      ctx->save_for_backward({f[1], f[2], f[3], f[4], state});
+    std::vector<Tensor> keep = {f[1], f[2], f[3], f[4], state};
+    keep.insert(keep.end(), ln_keep.begin(), ln_keep.end());
+    ctx->save_for_backward(keep);
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["hb"] = present(bias);
     ctx->saved_data["n"] = n;
