@@ -22,8 +22,12 @@
 // as the forward's and the backward's; lse itself is bitwise the forward's up to V = 2048 (each thread holds the
 // same one group in both, the extra warps are empty) and above may differ in rounding (the block reduction's
 // order). Ignored rows are not read: loss 0, gradient 0.
+//
+// The FP8 head (--fp8) needs the gradient only as FP8 codes, row-major and transposed: a first pass per row makes
+// the statistics (ls_ce_stats_kernel, the fused kernel's first pass) and a tile pass (fp8.cu: fp8_ce_grad) reads
+// the logits again and writes both layouts of the codes, so no transpose of the codes follows.
+#include "kernels/ce_grad.cuh"
 #include "kernels/common.cuh"
-#include "kernels/fp8_codes.cuh"
 
 namespace ls {
 
@@ -113,14 +117,6 @@ __device__ __forceinline__ void ce_row_loss(const T* x, int64_t t, int V, float 
 }
 
 // The backward's coefficients: dlogit_v = p_v * A - Bc - [v == t] * Dt.
-struct CeGrad {
-  float A, Bc, Dt;
-};
-
-__device__ __forceinline__ CeGrad ce_grad_coeffs(float gl, float gn, float eps, int V) {
-  const float eps_i = V > 1 ? eps / (V - 1) : 0.f;
-  return {gl * (1.f - eps - eps_i + (float)V * eps_i) + gn, gl * eps_i, gl * (1.f - eps - eps_i) + gn};
-}
 
 // dx = the gradient of row x (dx may be x: each thread reads its 8 values before it writes them, and no other
 // thread touches them, so the pointers are not __restrict__); ignored: zeros, x not read.
@@ -138,10 +134,7 @@ __device__ __forceinline__ void ce_grad_row(const T* x, T* dx, int V, int64_t t,
     } else {
       if (VEC) load8(x + c0, v); else load_n(x + c0, n, v);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float p = __expf(v[k] - lse);
-        v[k] = p * c.A - c.Bc - ((int64_t)(c0 + k) == t ? c.Dt : 0.f);
-      }
+      for (int k = 0; k < 8; ++k) v[k] = ce_grad(v[k], lse, c, (int64_t)(c0 + k) == t);
     }
     if (VEC) store8(dx + c0, v); else store_n(dx + c0, n, v);
   }
@@ -235,47 +228,25 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_kernel(T* logit
   ce_grad_row<T, VEC, kCeFusedThreads>(x, x, V, t, false, lse, c);
 }
 
-// The fused forward + backward for an FP8 vocabulary projection: the gradient is written only as FP8 codes
-// (row-major [N, V]) under the delayed scale of the state row fp8_row, as fp8_quantize would make them from
-// ls_ce_fwd_bwd_kernel's output (each value rounded to T first), with the values' maximum recorded in the row; the
-// logits are only read. V a multiple of 8, logits and codes 16-byte aligned rows.
+// The FP8 head's first pass: per row the forward's statistics as the fused kernel computes them (ce_fused_prologue,
+// the same block size, so the same bits): the row's (loss, nll) into losses [2, N] and lse into lse_out [N]. The
+// gradient's codes come from a second pass over the logits (fp8_ce_grad, fp8.cu), which writes both layouts.
 template <typename T>
-__global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_fp8_kernel(
-    const T* __restrict__ logits, const int64_t* __restrict__ target, float* __restrict__ losses,
-    const float* __restrict__ g_loss, int64_t N, int V, float eps, int64_t ignore_index, float* fp8_row,
-    Fp8Format fmt, uint8_t* __restrict__ codes) {
+__global__ void __launch_bounds__(kCeFusedThreads) ls_ce_stats_kernel(const T* __restrict__ logits,
+                                                                      const int64_t* __restrict__ target,
+                                                                      float* __restrict__ losses,
+                                                                      float* __restrict__ lse_out,
+                                                                      const float* __restrict__ g_loss, int64_t N,
+                                                                      int V, float eps, int64_t ignore_index) {
   const int64_t row = blockIdx.x;
-  const T* x = logits + row * V;
   const int64_t t = target[row];
-  const bool ignored = t == ignore_index;  // the same for the whole block
-  float lse = 0.f;
-  CeGrad c{0.f, 0.f, 0.f};
-  if (ignored) {
+  if (t == ignore_index) {  // the same for the whole block
     if (threadIdx.x == 0) { losses[row] = 0.f; losses[N + row] = 0.f; }
-  } else {
-    c = ce_fused_prologue<T, true>(x, t, V, eps, g_loss, losses, row, N, lse);
+    return;
   }
-  const float s = fp8_row[kFp8Scale];
-  unsigned m = 0u;
-  uint8_t* q = codes + row * V;
-  for (int g = threadIdx.x; g < V / 8; g += kCeFusedThreads) {
-    const int c0 = g * 8;
-    float v[8];
-    if (ignored) {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = 0.f;
-    } else {
-      load8(x + c0, v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float p = __expf(v[k] - lse);
-        v[k] = to_f(from_f<T>(p * c.A - c.Bc - ((int64_t)(c0 + k) == t ? c.Dt : 0.f)));
-      }
-    }
-    *reinterpret_cast<uint2*>(q + c0) = to_codes<uint2>(v, s, fmt, m);
-  }
-  m = block_max_bits<kCeFusedThreads>(m);
-  if (threadIdx.x == 0) record_amax(fp8_row, m);
+  float lse;
+  ce_fused_prologue<T, true>(logits + row * V, t, V, eps, g_loss, losses, row, N, lse);
+  if (threadIdx.x == 0) lse_out[row] = lse;
 }
 
 // ================================================================ launchers
@@ -328,17 +299,18 @@ void ls_cross_entropy_fwd_bwd(DType dt, void* logits, const int64_t* target, flo
 
 void ls_cross_entropy_fwd_bwd_fp8(DType dt, const void* logits, const int64_t* target, float* losses,
                                   const float* g_loss, int64_t N, int V, float epsilon, int64_t ignore_index,
-                                  float* fp8_row, Fp8Format fmt, void* codes, cudaStream_t stream) {
+                                  float* lse, float* fp8_row, Fp8Format fmt, void* codes, void* codes_t, int64_t Mp,
+                                  cudaStream_t stream) {
   if (N <= 0) return;
-  if (V % 8 != 0 || !aligned16(logits) || !aligned16(codes))
-    throw std::runtime_error("ls_cross_entropy_fwd_bwd_fp8: the vocabulary must be a multiple of 8 and the "
+  if (V % 16 != 0 || !aligned16(logits) || !aligned16(codes) || (codes_t != nullptr && !aligned16(codes_t)))
+    throw std::runtime_error("ls_cross_entropy_fwd_bwd_fp8: the vocabulary must be a multiple of 16 and the "
                              "buffers 16-byte aligned");
   LS_DISPATCH(dt, T, {
-    ls_ce_fwd_bwd_fp8_kernel<T><<<(unsigned)N, kCeFusedThreads, 0, stream>>>(
-        static_cast<const T*>(logits), target, losses, g_loss, N, V, epsilon, ignore_index, fp8_row, fmt,
-        static_cast<uint8_t*>(codes));
+    ls_ce_stats_kernel<T><<<(unsigned)N, kCeFusedThreads, 0, stream>>>(
+        static_cast<const T*>(logits), target, losses, lse, g_loss, N, V, epsilon, ignore_index);
     LS_CHECK_LAUNCH("ls_cross_entropy_fwd_bwd_fp8", stream);
   });
+  fp8_ce_grad(dt, logits, target, lse, g_loss, N, V, epsilon, ignore_index, fp8_row, fmt, codes, codes_t, Mp, stream);
 }
 
 }  // namespace ls

@@ -32,6 +32,7 @@
 // 16-byte word of the row-major codes; the transposed codes (what the weight-gradient GEMM reads) go through shared
 // memory and leave as 16-byte words of the transposed rows.
 #include "kernels/act_dropout.cuh"
+#include "kernels/ce_grad.cuh"
 #include "kernels/colsum.cuh"
 #include "kernels/fp8_codes.cuh"
 
@@ -204,6 +205,36 @@ struct MergeHeadsSource {
   }
 };
 
+// The head's gradient of the logits x [N, V] for the loss's statistics (lse per row, from ls_ce_stats_kernel) as
+// the fused loss kernel computes it (ce_grad, rounded to T); rows whose target is ignore_index give zeros. The
+// coefficients are the fused kernel's (g_nll = 0; g_loss read from device memory, nullptr: 1).
+template <typename T>
+struct CeGradSource {
+  static constexpr bool kSums = false;
+  const T* x;
+  const int64_t* target;
+  const float* lse;
+  const float* g_loss;
+  int64_t K;
+  float eps;
+  int64_t ignore_index;
+  CeGrad c;
+  __device__ __forceinline__ void begin() { c = ce_grad_coeffs(g_loss != nullptr ? *g_loss : 1.f, 0.f, eps, (int)K); }
+  __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16]) {
+    const int64_t t = target[i];
+    if (t == ignore_index) {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = 0.f;
+      return;
+    }
+    const float l = lse[i];
+    load8(x + i * K + j, *reinterpret_cast<float(*)[8]>(v));
+    load8(x + i * K + j + 8, *reinterpret_cast<float(*)[8]>(v + 8));
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = to_f(from_f<T>(ce_grad(v[k], l, c, j + k == t)));
+  }
+};
+
 // Adds this tile's rows of raw into partial[k0 .. k0 + 63] (the tile row's slice of the partial sums), in a fixed
 // order: a butterfly over the 8 rows of a warp, then the 8 warps in turn.
 __device__ __forceinline__ void tile_colsum(float (&raw)[16], float* __restrict__ partial, int64_t k0, int64_t K) {
@@ -340,23 +371,6 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (threadIdx.x == 0) record_amax(row, m);
 }
 
-// The transposed codes [K, Mp] of row-major codes q [M, K] (rows M .. Mp - 1 of the transpose zero), through the
-// cast's store_transposed: each thread reads 16 codes of a row as one word and writes 16 of a transposed row.
-__global__ void transpose_codes_kernel(const uint8_t* __restrict__ q, int64_t M, int64_t K,
-                                       uint8_t* __restrict__ q_t, int64_t Mp) {
-  __shared__ __align__(16) uint8_t tile_t[2][kTile * kTile];
-  const int64_t tiles_m = (Mp + kTile - 1) / kTile, tiles_k = (K + kTile - 1) / kTile;
-  const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
-  int buf = 0;
-  for (int64_t t = blockIdx.x; t < tiles_m * tiles_k; t += gridDim.x, buf ^= 1) {
-    const int64_t m0 = (t / tiles_k) * kTile, k0 = (t % tiles_k) * kTile;
-    const int64_t i = m0 + r, j = k0 + c;
-    uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-    if (i < M && j < K) packed = *reinterpret_cast<const uint4*>(q + i * K + j);
-    store_transposed(packed, tile_t[buf], m0, k0, K, Mp, q_t);
-  }
-}
-
 __global__ void roll_kernel(float* __restrict__ state, int64_t rows, Fp8Format grad_fmt) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= rows) return;
@@ -391,7 +405,7 @@ int cast_chunk(int64_t M, int64_t K, int64_t Mp) {
   return c;
 }
 
-// the grid of a tile kernel (cast_kernel, chunked_cast_kernel, transpose_codes_kernel): one tile (work item) per block
+// the grid of a tile kernel (cast_kernel, chunked_cast_kernel): one tile (work item) per block
 // and step, no more blocks than the GPU holds at once with its registers (one wave)
 template <auto Kernel>
 int tile_blocks(int64_t M, int64_t K, int64_t Mp, int chunk = 1) {  // chunk: tiles a work item (chunked_cast_kernel)
@@ -423,11 +437,16 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
   check_launch("fp8_cast", stream);
 }
 
-void fp8_transpose_codes(const void* q, int64_t M, int64_t K, void* q_t, int64_t Mp, cudaStream_t stream) {
-  if (K <= 0 || Mp <= 0) return;
-  transpose_codes_kernel<<<tile_blocks<transpose_codes_kernel>(M, K, Mp), kThreads, 0, stream>>>(
-      static_cast<const uint8_t*>(q), M, K, static_cast<uint8_t*>(q_t), Mp);
-  check_launch("fp8_transpose_codes", stream);
+void fp8_ce_grad(DType dt, const void* logits, const int64_t* target, const float* lse, const float* g_loss, int64_t N,
+                 int V, float epsilon, int64_t ignore_index, float* fp8_row, Fp8Format fmt, void* codes,
+                 void* codes_t, int64_t Mp, cudaStream_t stream) {
+  if (N <= 0) return;
+  LS_DISPATCH(dt, T, {
+    const CeGradSource<T> src{static_cast<const T*>(logits), target, lse, g_loss, V, epsilon, ignore_index, {}};
+    cast_kernel<<<tile_blocks<cast_kernel<CeGradSource<T>>>(N, V, Mp), kThreads, 0, stream>>>(
+        src, N, V, fp8_row, fmt, false, static_cast<uint8_t*>(codes), static_cast<uint8_t*>(codes_t), Mp);
+  });
+  check_launch("fp8_ce_grad", stream);
 }
 
 namespace {

@@ -216,15 +216,18 @@ void fp8_roll(float* state, int64_t rows, Fp8Format grad_fmt, cudaStream_t strea
 // optional (nullptr). current: the scale comes from x's own absolute maximum (an extra pass), else from the row.
 void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8Format fmt, bool current, void* out,
                   void* out_t, int64_t Mp, cudaStream_t stream);
-// The transposed codes q_t [K, Mp] of row-major codes q [M, K] (rows M .. Mp - 1 zero), as fp8_quantize's out_t.
-// K a multiple of 16, Mp a multiple of 16 >= M, 16-byte aligned pointers.
-void fp8_transpose_codes(const void* q, int64_t M, int64_t K, void* q_t, int64_t Mp, cudaStream_t stream);
 // The head's loss and gradient (ls_cross_entropy_fwd_bwd, cross_entropy.cu) with the gradient written only as the
-// FP8 codes [N, V] that fp8_quantize (delayed scaling, fmt) would make of it under the state row fp8_row (the
-// gradient's maximum recorded there); the logits are not written. V a multiple of 8, 16-byte aligned buffers.
+// FP8 codes that fp8_quantize (delayed scaling, fmt) would make of it under the state row fp8_row (the gradient's
+// maximum recorded there): codes [N, V] and/or codes_t [V, Mp] as fp8_quantize's out / out_t; the logits are not
+// written. lse: [N] floats of scratch. V a multiple of 16, 16-byte aligned buffers.
 void ls_cross_entropy_fwd_bwd_fp8(DType dt, const void* logits, const int64_t* target, float* losses,
                                   const float* g_loss, int64_t N, int V, float epsilon, int64_t ignore_index,
-                                  float* fp8_row, Fp8Format fmt, void* codes, cudaStream_t stream);
+                                  float* lse, float* fp8_row, Fp8Format fmt, void* codes, void* codes_t, int64_t Mp,
+                                  cudaStream_t stream);
+// Its second pass (fp8.cu): the codes of the gradient of rows with log-sum-exp lse [N] (ignored rows zero)
+void fp8_ce_grad(DType dt, const void* logits, const int64_t* target, const float* lse, const float* g_loss, int64_t N,
+                 int V, float epsilon, int64_t ignore_index, float* fp8_row, Fp8Format fmt, void* codes,
+                 void* codes_t, int64_t Mp, cudaStream_t stream);
 // The e4m3 codes of a = dropout(act(x + bias)) [M, K] as fp8_quantize (delayed scaling: the row's scale, a's maximum
 // recorded) would make them from bias_act_dropout_fwd's output, without writing a: out and/or out_t as there.
 // Dropout applies when p > 0: draw draws the keep bits from rng (the forward; written to keep unless nullptr), else

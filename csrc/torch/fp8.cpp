@@ -819,9 +819,10 @@ std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t r
 // The loss and nll sums of the head as ls_cross_entropy_fwd_bwd computes them, and the gradient of
 // grad_scale * loss sum only as FP8 codes in `format`: exactly the codes fp8_quantize would make of the gradient
 // that ls_cross_entropy_fwd_bwd writes, under the delayed scale of state row `row` (whose amax records the
-// gradient's maximum). The row-major codes [N, V] come out of the loss kernel itself, which leaves the logits as
-// they are (the gradient is never stored in the logits' precision); the transposed codes [V, padded16(N)] (what
-// the weight-gradient GEMM reads; transposed) from one pass over those codes. V a multiple of 16.
+// gradient's maximum). A pass per row makes the loss's statistics and a tile pass over the logits the codes: the
+// row-major codes [N, V] and, when `transposed`, the transposed codes [V, padded16(N)] (what the weight-gradient
+// GEMM reads). The logits are left as they are: the gradient is never stored in their precision. V a multiple of
+// 16.
 std::vector<Tensor> ls_cross_entropy_fwd_bwd_fp8(const Tensor& logits, const Tensor& target, double epsilon,
                                                  int64_t ignore_index, const OptTensor& grad_scale,
                                                  const Tensor& state, int64_t row, int64_t format, bool transposed) {
@@ -840,14 +841,15 @@ std::vector<Tensor> ls_cross_entropy_fwd_bwd_fp8(const Tensor& logits, const Ten
   Tensor q, q_t;
   std::tie(q, q_t) = empty_codes(x, N, V, fmt, true, transposed);
   Tensor losses = at::empty({2, N}, x.options().dtype(at::kFloat));
+  Tensor lse = at::empty({N}, x.options().dtype(at::kFloat));
   float* fp8_row = state.data_ptr<float>() + row * ls::kFp8Width;
   c10::cuda::CUDAGuard guard(x.device());
   launch(op, [&] {
     ls::ls_cross_entropy_fwd_bwd_fp8(dt, x.data_ptr(), target.data_ptr<int64_t>(), losses.data_ptr<float>(),
                                      present(grad_scale) ? grad_scale->data_ptr<float>() : nullptr, N,
-                                     checked_int(op, "vocab", V), (float)epsilon, ignore_index, fp8_row, fmt,
-                                     q.data_ptr(), stream());
-    if (transposed) ls::fp8_transpose_codes(q.data_ptr(), N, V, q_t.data_ptr(), Mp, stream());
+                                     checked_int(op, "vocab", V), (float)epsilon, ignore_index,
+                                     lse.data_ptr<float>(), fp8_row, fmt, q.data_ptr(),
+                                     transposed ? q_t.data_ptr() : nullptr, Mp, stream());
   });
   Tensor sums = N > 0 ? losses.sum(1) : at::zeros({2}, losses.options());
   return {sums[0].clone(), sums[1].clone(), q, q_t};
