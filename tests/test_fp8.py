@@ -307,6 +307,11 @@ def test_auto_projections_take_fp8_where_it_pays():
     assert enc.fp8.skip == 0b10 and enc.self_attn.fp8.skip == 0b10
     assert dec.fp8.skip == 0b110010 and dec.encoder_attn.fp8 == fp8.Fp8Ref(state, dec.fp8.slot + 4, 0b11)
     assert kv.fp8.skip == 0
+    # the weights a training forward casts ahead in one launch: the FP8 projections of the body, with their slots
+    want = [(enc.self_attn.in_proj_weight, 0), (enc.fc1.weight, 2), (enc.fc2.weight, 3), (kv.weight, 4),
+            (dec.self_attn.in_proj_weight, 5), (dec.fc1.weight, 7), (dec.fc2.weight, 8)]
+    assert len(state.ahead) == len(want)
+    assert all(w is v and slot == s for (w, slot), (v, s) in zip(state.ahead, want))
     # the vocabulary projection (last slot) pays at 32000 x 1024; not below the rule, nor off the 16-grid
     heads = [torch.nn.Linear(1024, v, bias=False) for v in (32000, 32008)] + [torch.nn.Linear(512, 32000)]
     for h, skip in zip(heads, (0, 1, 1)):

@@ -371,6 +371,49 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (threadIdx.x == 0) record_amax(row, m);
 }
 
+// Several tensors' casts in one launch (the forward's weights, fp8_quantize_many): the jobs' 64 x 64 tiles numbered
+// one after another (job j's from start[j]), walked by the grid in that order as cast_kernel walks one tensor's.
+// A block records a job's absolute maximum in its row when it moves on to a later job (the job index is the same
+// across the block, so the block reduction is too), and its last job's at the end.
+constexpr int kMaxCastJobs = 32;  // per launch: the table travels in the kernel's parameters (under 4 KB)
+struct CastJobs {
+  int n;
+  int64_t start[kMaxCastJobs + 1];
+  Fp8CastJob job[kMaxCastJobs];
+};
+
+template <typename T>
+__global__ void cast_many_kernel(const CastJobs jobs, Fp8Format fmt) {
+  __shared__ __align__(16) uint8_t tile_t[2][kTile * kTile];
+  const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
+  unsigned m = 0u;
+  int buf = 0, cur = 0;
+  for (int64_t t = blockIdx.x; t < jobs.start[jobs.n]; t += gridDim.x, buf ^= 1) {
+    while (t >= jobs.start[cur + 1]) {  // the jobs before t's are done here: their maximum
+      m = block_max_bits<kThreads>(m);
+      if (threadIdx.x == 0) record_amax(jobs.job[cur].row, m);
+      m = 0u;
+      ++cur;
+    }
+    const Fp8CastJob& J = jobs.job[cur];
+    const int64_t tiles_k = (J.K + kTile - 1) / kTile, local = t - jobs.start[cur];
+    const int64_t m0 = (local / tiles_k) * kTile, k0 = (local % tiles_k) * kTile;
+    const int64_t i = m0 + r, j = k0 + c;
+    float v[16];
+    if (i < J.M && j < J.K) {
+      PlainSource<T>{static_cast<const T*>(J.x), J.K}.load16(i, j, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = 0.f;
+    }
+    const uint4 packed = to_codes<uint4>(v, J.row[kFp8Scale], fmt, m);
+    if (J.out != nullptr && i < J.M && j < J.K) *reinterpret_cast<uint4*>(static_cast<uint8_t*>(J.out) + i * J.K + j) = packed;
+    if (J.out_t != nullptr) store_transposed(packed, tile_t[buf], m0, k0, J.K, J.Mp, static_cast<uint8_t*>(J.out_t));
+  }
+  m = block_max_bits<kThreads>(m);
+  if (threadIdx.x == 0 && cur < jobs.n) record_amax(jobs.job[cur].row, m);
+}
+
 __global__ void roll_kernel(float* __restrict__ state, int64_t rows, Fp8Format grad_fmt) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= rows) return;
@@ -435,6 +478,25 @@ void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8
                          PlainSource<T>{static_cast<const T*>(x), K}, M, K, row, fmt, current,
                          static_cast<uint8_t*>(out), static_cast<uint8_t*>(out_t), Mp));
   check_launch("fp8_cast", stream);
+}
+
+void fp8_quantize_many(DType dt, const Fp8CastJob* jobs, int n, Fp8Format fmt, cudaStream_t stream) {
+  for (int first = 0; first < n; first += kMaxCastJobs) {
+    CastJobs table{};
+    table.n = n - first < kMaxCastJobs ? n - first : kMaxCastJobs;
+    for (int k = 0; k < table.n; ++k) {
+      const Fp8CastJob& J = jobs[first + k];
+      table.job[k] = J;
+      table.start[k + 1] = table.start[k] + tile_rows(J.M, J.Mp) * ((J.K + kTile - 1) / kTile);
+    }
+    if (table.start[table.n] == 0) continue;
+    LS_DISPATCH(dt, T, {
+      const int64_t resident = resident_blocks<cast_many_kernel<T>, kThreads>();
+      const int64_t tiles = table.start[table.n];
+      cast_many_kernel<T><<<blocks_for(tiles < resident ? tiles : resident, 1), kThreads, 0, stream>>>(table, fmt);
+    });
+    check_launch("fp8_quantize_many", stream);
+  }
 }
 
 void fp8_ce_grad(DType dt, const void* logits, const int64_t* target, const float* lse, const float* g_loss, int64_t N,

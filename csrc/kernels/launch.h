@@ -216,6 +216,17 @@ void fp8_roll(float* state, int64_t rows, Fp8Format grad_fmt, cudaStream_t strea
 // optional (nullptr). current: the scale comes from x's own absolute maximum (an extra pass), else from the row.
 void fp8_quantize(DType dt, const void* x, int64_t M, int64_t K, float* row, Fp8Format fmt, bool current, void* out,
                   void* out_t, int64_t Mp, cudaStream_t stream);
+// One cast of fp8_quantize (delayed scaling: the row's scale, x's maximum recorded there) in fp8_quantize_many
+struct Fp8CastJob {
+  const void* x;  // [M, K], K a multiple of 16, 16-byte aligned
+  void* out;      // [M, K] codes or nullptr
+  void* out_t;    // [K, Mp] codes or nullptr
+  float* row;     // the state row
+  int64_t M, K, Mp;
+};
+// The casts of n tensors of one dtype in one launch per 32 (the forward's weights): each job's codes and recorded
+// maximum exactly as fp8_quantize (current = false) makes them.
+void fp8_quantize_many(DType dt, const Fp8CastJob* jobs, int n, Fp8Format fmt, cudaStream_t stream);
 // The head's loss and gradient (ls_cross_entropy_fwd_bwd, cross_entropy.cu) with the gradient written only as the
 // FP8 codes that fp8_quantize (delayed scaling, fmt) would make of it under the state row fp8_row (the gradient's
 // maximum recorded there): codes [N, V] and/or codes_t [V, Mp] as fp8_quantize's out / out_t; the logits are not

@@ -106,6 +106,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sw"), py::arg("dtype"), py::arg("dw_out") = none);
   m.def("fp8_roll", guarded(&fp8_roll), "each FP8 state row's amax into its history, and its next scale (fp8.cu)",
         py::arg("state"), py::arg("grad_format"));
+  m.def("fp8_cast_weights", guarded(&fp8_cast_weights),
+        "a training forward's FP8 weights cast in one launch, each under its state row; the projections take "
+        "their codes (fp8.cpp)", py::arg("weights"), py::arg("state"), py::arg("rows"));
+  m.def("fp8_forget_weights", guarded(&fp8_forget_weights),
+        "drop the weights' codes no projection took; returns how many (fp8.cpp)");
   m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
         py::arg("weight"), py::arg("bias") = none, py::arg("mode"), py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_linear_split", guarded(&ag_fp8_linear_split),

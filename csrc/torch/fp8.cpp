@@ -25,6 +25,9 @@
 // size trains.
 #include <torch/extension.h>
 
+#include <mutex>
+#include <unordered_map>
+
 #include "torch/adapter.h"
 #include "torch/ops.h"
 
@@ -128,13 +131,46 @@ void check_residual(const char* op, const Tensor& residual, const Tensor& x, int
            ", got ", residual.sizes(), " of ", residual.scalar_type());
 }
 
+// The weights' codes of one training forward, made ahead in one launch (fp8_cast_weights, at the forward's start)
+// and taken by the projection that uses the weight, keyed by the weight's data. An entry is used at most once and
+// only for the state row it was made for; what no projection took is dropped at the end of the model's body
+// (fp8_forget_weights) and at the next forward's start.
+struct WeightCodes {
+  Tensor q, q_t;
+  const void* state;
+  int64_t row;
+};
+std::mutex weight_codes_mutex;
+std::unordered_map<const void*, WeightCodes>& weight_codes() {
+  static std::unordered_map<const void*, WeightCodes> codes;
+  return codes;
+}
+
+// W's [codes, transposed codes] for projection u: made ahead when they were (delayed scaling only), else cast now
+std::pair<Tensor, Tensor> weight_codes_of(const char* op, const Tensor& weight, const Use& u, bool current) {
+  if (!current) {
+    std::lock_guard<std::mutex> lock(weight_codes_mutex);
+    auto& codes = weight_codes();
+    auto it = codes.find(weight.data_ptr());
+    if (it != codes.end()) {
+      WeightCodes w = std::move(it->second);
+      codes.erase(it);
+      LS_CHECK(w.state == u.state.data_ptr() && w.row == u.row(1) && w.q.sizes() == weight.sizes(), op,
+               ": the weight's codes made at the forward's start belong to state row ", w.row,
+               ", this projection uses row ", u.row(1));
+      return {w.q, w.q_t};
+    }
+  }
+  return quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, current, true, true);
+}
+
 // The forward's GEMM and what the backward keeps: [y2, x's transposed codes (or undefined), W's transposed codes,
 // 1/s of x, 1/s of W]
 // The same from the input's codes xq (and xq_t, kept for the backward, or undefined); dt: the output's dtype
 std::vector<Tensor> codes_forward(const Tensor& xq, const Tensor& xq_t, at::ScalarType dt, const Tensor& weight,
                                   const OptTensor& bias, const Use& u) {
   const char* op = "fp8_linear";
-  auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, u.current, true, true);
+  auto [wq, wq_t] = weight_codes_of(op, weight, u, u.current);
   Tensor sx = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
   // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes
   Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, dt, true);
@@ -453,7 +489,7 @@ std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bi
   }
   Tensor mask;
   auto [aq, aq_t] = act_codes(op, x2, bias, mask, true, positive_bits, activation, p, u, true, keep_codes);
-  auto [wq, wq_t] = quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, false, true, true);
+  auto [wq, wq_t] = weight_codes_of(op, weight, u, false);
   Tensor sa = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
   Tensor y2 = at::_scaled_mm(aq, wq.t(), sa, sw, std::nullopt, std::nullopt, x2.scalar_type(), true);
   return {y2, mask, aq_t, wq_t, sa, sw};
@@ -814,6 +850,42 @@ std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t r
   check_state(op, state, row + 1, x);
   auto [q, q_t] = quantize(op, x, state, row, to_format(op, format), current, rowwise, transposed);
   return {q, q_t};
+}
+
+void fp8_cast_weights(const std::vector<Tensor>& weights, const Tensor& state, const std::vector<int64_t>& rows) {
+  const char* op = "fp8_cast_weights";
+  LS_CHECK(weights.size() == rows.size(), op, ": ", weights.size(), " weights but ", rows.size(), " state rows");
+  std::lock_guard<std::mutex> lock(weight_codes_mutex);
+  auto& codes = weight_codes();
+  codes.clear();
+  if (weights.empty()) return;
+  LS_CHECK(state.is_cuda(), op, ": FP8 state must be a CUDA tensor");
+  const ls::DType dt = to_dtype(op, weights[0]);
+  std::vector<ls::Fp8CastJob> jobs;
+  for (size_t k = 0; k < weights.size(); ++k) {
+    const Tensor& w = weights[k];
+    LS_CHECK(w.is_cuda() && w.dim() == 2 && w.scalar_type() == weights[0].scalar_type(), op, ": weight ", k,
+             " must be a 2-d CUDA tensor of ", weights[0].scalar_type());
+    LS_CHECK(fp8_linear_shapes_ok(w), op, ": weight ", k, " ", w.sizes(), " must have sizes that are multiples of 16");
+    LS_CHECK(rows[k] >= 0, op, ": state row ", rows[k], " of weight ", k);
+    check_state(op, state, rows[k] + 1, w);
+    // a weight the kernel cannot read as it is (a view, unaligned) is cast by its projection instead
+    if (!w.is_contiguous() || reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 != 0 || w.numel() == 0) continue;
+    auto [q, q_t] = empty_codes(w, w.size(0), w.size(1), ls::Fp8Format::E4M3, true, true);
+    jobs.push_back({w.data_ptr(), q.data_ptr(), q_t.data_ptr(), state.data_ptr<float>() + rows[k] * ls::kFp8Width,
+                    w.size(0), w.size(1), padded16(w.size(0))});
+    LS_CHECK(codes.emplace(w.data_ptr(), WeightCodes{q, q_t, state.data_ptr(), rows[k]}).second, op, ": weight ", k,
+             " is listed twice");
+  }
+  c10::cuda::CUDAGuard guard(state.device());
+  launch(op, [&] { ls::fp8_quantize_many(dt, jobs.data(), (int)jobs.size(), ls::Fp8Format::E4M3, stream()); });
+}
+
+int64_t fp8_forget_weights() {
+  std::lock_guard<std::mutex> lock(weight_codes_mutex);
+  const int64_t left = (int64_t)weight_codes().size();
+  weight_codes().clear();
+  return left;
 }
 
 // The loss and nll sums of the head as ls_cross_entropy_fwd_bwd computes them, and the gradient of

@@ -176,6 +176,11 @@ struct Fp8Args {
 std::vector<Tensor> fp8_quantize(const Tensor& x, const Tensor& state, int64_t row, int64_t format, bool current,
                                  bool rowwise, bool transposed);
 void fp8_roll(const Tensor& state, int64_t grad_format);
+// The training forward's weights cast ahead in one launch (fp8.cu: fp8_quantize_many), each under its state row
+// (delayed scaling); the FP8 projections then take their weight's codes instead of casting it. fp8_forget_weights
+// drops what was not taken and returns how many.
+void fp8_cast_weights(const std::vector<Tensor>& weights, const Tensor& state, const std::vector<int64_t>& rows);
+int64_t fp8_forget_weights();
 // An FP8 projection's GEMMs outside autograd (the CUDA-graph step's vocabulary head, ls_fairseq/ops/fp8.py), as the
 // FP8 linear node runs them. Forward of x2 [M, K] -> [y, x's transposed codes (undefined unless keep_x), W's
 // transposed codes, 1/s of x, 1/s of W]; backward from the output gradient's codes gq [M, N] and transposed codes

@@ -41,6 +41,7 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             for _ in range(L)
         ])
         self.encoder_attn_kv = BatchedCrossKV(C, cfg.decoder.attention_heads, L)
+        self.fp8_state = None  # the model's FP8 scaling state under --fp8 (fp8_mode.set_fp8_mode), as the encoder's
         self.layer_norm = (
             LayerNorm(C) if cfg.decoder.normalize_before and not cfg.no_decoder_final_norm else None
         )
@@ -172,6 +173,8 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 x = layer(x, k, v, enc_pad, self_pad, varlen=varlen)
             if every_layer:
                 inner_states.append(x.transpose(0, 1))
+        if self.training and self.fp8_state is not None:  # the body's FP8 projections have run
+            self.fp8_state.end_body()
         if rows is not None:
             x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
         if self.layer_norm is not None:

@@ -69,12 +69,14 @@ def attach_fp8(modules: Iterable[torch.nn.Module], grad_format: int,
     with ``weight`` [vocab, C]), which takes the last slot; it stays in the model's precision unless ``select``
     takes it and its sizes are multiples of 16."""
     refs = []
+    ahead = []  # (weight, slot) of the body's FP8 projections (Fp8State.cast_ahead)
     n = used = 0
     for m in modules:
         if isinstance(m, EncoderLayer):  # decoder layers too
             weights = _projections(m)
             skip = sum(1 << k for k, w in enumerate(weights) if not select(w))
             used += len(weights) - bin(skip).count("1")
+            ahead += [(w, n + k) for k, w in enumerate(weights) if not (skip >> k) & 1 and shapes_ok(w)]
             refs += [(m, n, skip), (m.self_attn, n, skip & 3)]
             if isinstance(m, DecoderLayer):
                 refs.append((m.encoder_attn, n + 4, skip >> 4))
@@ -82,6 +84,8 @@ def attach_fp8(modules: Iterable[torch.nn.Module], grad_format: int,
         elif isinstance(m, BatchedCrossKV):
             refs.append((m, n, 0 if select(m.weight) else 1))
             used += refs[-1][2] == 0
+            if refs[-1][2] == 0 and shapes_ok(m.weight):
+                ahead.append((m.weight, n))
             n += 1
     if head is not None:
         refs.append((head, n, 0 if shapes_ok(head.weight) and select(head.weight) else 1))
@@ -90,6 +94,7 @@ def attach_fp8(modules: Iterable[torch.nn.Module], grad_format: int,
     if used == 0:
         return None
     state = Fp8State(n, grad_format, used)
+    state.ahead = ahead
     for m, slot, skip in refs:
         m.fp8 = Fp8Ref(state, slot, skip)
     return state
@@ -116,6 +121,7 @@ def set_fp8_mode(model, args) -> int:
             logger.info("--fp8: %d of %d projections run as FP8 GEMMs%s", state.in_fp8, state.linears,
                         "" if everything else f" (--fp8-projections auto: {_rule()})")
     model.encoder.fp8_state = state
+    model.decoder.fp8_state = state
     return mode
 
 

@@ -22,7 +22,7 @@ Numerics (csrc/kernels/fp8.cu holds the kernels, this file the same rules in pla
 state's tensor and the linear's slot in it (rows 3 slot, 3 slot + 1, 3 slot + 2: input, weight, gradient).
 """
 
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -73,6 +73,9 @@ class Fp8State:
         self.grad_format = grad_format
         self.tensor: Optional[torch.Tensor] = None
         self.current = True
+        # (weight, slot) of the FP8 projections inside the model's body, whose codes a training forward makes in
+        # one launch at its start (cast_ahead); the vocabulary projection casts its own
+        self.ahead: List[Tuple[torch.Tensor, int]] = []
 
     def begin_forward(self, device: torch.device) -> None:
         if self.tensor is None or self.tensor.device != device:
@@ -81,6 +84,22 @@ class Fp8State:
         else:
             self.current = False
             fp8_roll(self.tensor, self.grad_format)
+            self.cast_ahead()
+
+    def cast_ahead(self) -> None:
+        """Under delayed scaling, the codes of the body's FP8 weights in one launch (``fp8_cast_weights``): each
+        projection then takes its weight's codes instead of casting the weight itself, with the same result."""
+        mod = _ext.get()
+        if not self.ahead or not self.tensor.is_cuda or mod is None or not hasattr(mod, "fp8_cast_weights"):
+            return
+        mod.fp8_cast_weights([w for w, _ in self.ahead], self.tensor, [3 * slot + 1 for _, slot in self.ahead])
+
+    def end_body(self) -> int:
+        """The model's body has run: drop the weights' codes no projection took (returns how many)."""
+        mod = _ext.get()
+        if not self.ahead or mod is None or not hasattr(mod, "fp8_forget_weights"):
+            return 0
+        return mod.fp8_forget_weights()
 
     def use(self, slot: int) -> Fp8Use:
         if self.tensor is None:

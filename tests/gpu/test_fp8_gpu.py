@@ -163,6 +163,47 @@ def test_fp8_linear_against_the_reference(grad_format, dtype, rows, K, N, bias, 
         torch.testing.assert_close(b.grad.float(), dy.float().sum(0), rtol=ulp, atol=ulp * rows ** 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_cast_ahead_equal_their_own_casts(dtype):
+    """The forward's weights cast in one launch (fp8_cast_weights; over 32 of them: two launches) give each
+    projection the codes its own cast makes, bit for bit, and record the same maxima; each is taken once, the
+    leftovers are counted and dropped, and codes made for another state row are refused."""
+    mod = _mod()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    shapes = [(16, 16), (48, 80), (1040, 272), (64, 4096), (3072, 1024)]
+    shapes += [(16 * (k % 5 + 1), 32 * (k % 3 + 1)) for k in range(31)]
+    ws = [(torch.randn(*s, device="cuda", generator=g) * (k + 1) / 8).to(dtype) for k, s in enumerate(shapes)]
+    xs = [torch.randn(37, s[1], device="cuda", generator=g).to(dtype) for s in shapes]
+    base = _state_with_history(3 * len(ws), [0.5 * (k % 7 + 1) for k in range(3 * len(ws))], fp8.E5M2)
+    mode = 1 + fp8.E5M2
+
+    def run(ahead):
+        st = base.clone()
+        if ahead:
+            mod.fp8_cast_weights(ws, st, [3 * k + 1 for k in range(len(ws))])
+        out = [mod.fp8_linear_forward_codes(x, w, mode, st, k, False) for k, (x, w) in enumerate(zip(xs, ws))]
+        return [(o[0], o[2].view(torch.uint8)) for o in out], st, mod.fp8_forget_weights()
+
+    got, st_got, left = run(True)
+    want, st_want, _ = run(False)
+    assert left == 0
+    for k, ((y, wq_t), (y_ref, wq_t_ref)) in enumerate(zip(got, want)):
+        assert torch.equal(y, y_ref) and torch.equal(wq_t, wq_t_ref), k
+    assert torch.equal(st_got, st_want) and (st_got[1::3, fp8.AMAX] > 0).all()
+    # codes nobody takes are dropped and counted; codes made for one row are not taken for another
+    st = base.clone()
+    mod.fp8_cast_weights(ws[:3], st, [1, 4, 7])
+    assert mod.fp8_forget_weights() == 3
+    mod.fp8_cast_weights(ws[:1], st, [4])
+    with pytest.raises(RuntimeError, match="belong to state row 4, this projection uses row 1"):
+        mod.fp8_linear_forward_codes(xs[0], ws[0], mode, st, 0, False)
+    with pytest.raises(RuntimeError, match="listed twice"):
+        mod.fp8_cast_weights([ws[0], ws[0]], st, [1, 4])
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        mod.fp8_cast_weights([torch.zeros(8, 16, device="cuda", dtype=dtype)], st, [1])
+    assert mod.fp8_forget_weights() == 0
+
+
 @pytest.mark.parametrize("grad_format", [fp8.E4M3, fp8.E5M2])
 @pytest.mark.parametrize("rows,V,C", [(37, 2048, 256), (1031, 32000, 1024)])
 @pytest.mark.parametrize("current", [True, False], ids=["current", "delayed"])
@@ -563,9 +604,11 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, pre, monkey
     src = torch.randn(6, 31, 256, device="cuda", dtype=torch.bfloat16)
     probe = torch.randn(6, 29, 256, device="cuda")
 
-    def run(gf, cpp=True, steps=1):
+    def run(gf, cpp=True, steps=1, ahead=True):
         monkeypatch.setattr(_dispatch, "_CPP_LAYERS", cpp)
         enc, dec, kv, state = _layers(gf, pre=pre)
+        if state is not None and not ahead:
+            state.ahead = []  # every projection casts its own weight
         for _ in range(steps):  # the first step scales by current maxima, the later ones by the history
             if state is not None:
                 state.begin_forward(x.device)
@@ -575,6 +618,8 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, pre, monkey
             e = enc(si)
             k, v = kv(e)
             out = dec(xi, k, v)
+            if state is not None:  # the projections took every weight's codes made ahead
+                assert state.end_body() == 0
             (out.float() * probe).sum().backward()  # a random direction (a post-LN output's mean square is ~1)
         grads = [p.grad for m in (enc, dec, kv) for p in m.parameters()]
         return out.detach(), xi.grad, si.grad, grads, state
@@ -583,11 +628,14 @@ def test_layers_fp8_close_to_bf16_and_cpp_equals_python(grad_format, pre, monkey
     for steps in (1, 3):
         got = run(grad_format, steps=steps)
         py = run(grad_format, cpp=False, steps=steps)
-        assert got[4].current == (steps == 1)
-        # the C++ layer call records the same nodes as the Python layers: identical results and states
-        assert torch.equal(got[0], py[0]) and torch.equal(got[1], py[1]) and torch.equal(got[2], py[2])
-        assert all(torch.equal(a, b) for a, b in zip(got[3], py[3]))
-        assert torch.equal(got[4].tensor, py[4].tensor)
+        own = run(grad_format, steps=steps, ahead=False)
+        assert got[4].current == (steps == 1) and len(got[4].ahead) == 11
+        # the C++ layer call records the same nodes as the Python layers, and the weights cast ahead in one launch
+        # are those each projection casts: identical results and states
+        for other in (py, own):
+            assert torch.equal(got[0], other[0]) and torch.equal(got[1], other[1]) and torch.equal(got[2], other[2])
+            assert all(torch.equal(a, b) for a, b in zip(got[3], other[3]))
+            assert torch.equal(got[4].tensor, other[4].tensor)
         # and FP8 stays close to bf16: a few per cent where e4m3 / e5m2 round
         rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
         assert rel(got[0], ref[0]) < 0.05
