@@ -28,6 +28,10 @@
 // the FFN's first projection and of the attention's input projection leave as codes too, with their bias gradients
 // summed on the way (per 64-row tile in a fixed order, then colsum_finalize: deterministic).
 //
+// The weights of a model's FP8 projections are cast together, in one launch per 32 (fp8_quantize_many): each weight
+// alone is one or two waves of tiles, too few to keep the GPU's memory busy. The head's gradient comes from the
+// logits through its own source (CeGradSource), both layouts in one pass after the loss's per-row statistics.
+//
 // The cast works on 64 x 64 tiles: 256 threads each convert 16 consecutive elements of a row and store them as one
 // 16-byte word of the row-major codes; the transposed codes (what the weight-gradient GEMM reads) go through shared
 // memory and leave as 16-byte words of the transposed rows.

@@ -8,8 +8,10 @@ Numerics (csrc/kernels/fp8.cu holds the kernels, this file the same rules in pla
   m the largest maximum of the history: scaling is exact in fp32, the dequantisation factor ``1 / s`` is exact,
   and the only rounding is the one to FP8 (nearest even; values beyond the range saturate). The quantisation is
   one pass over the tensor that also records its maximum; :meth:`Fp8State.begin_forward` (once per training
-  forward) moves the recorded maxima into the histories and derives the next scales. The first forward and
-  backward of a new state use current scaling (the tensor's own maximum, an extra pass), which fills the history.
+  forward) moves the recorded maxima into the histories and derives the next scales, then casts the weights of
+  the model's body in one launch (:meth:`Fp8State.cast_ahead`; each projection takes its weight's codes from
+  there). The first forward and backward of a new state use current scaling (the tensor's own maximum, an extra
+  pass), which fills the history.
 - Forward: ``y = [x] [W]^T`` with x and W in e4m3 (3 mantissa bits), output in the input's dtype. All three
   GEMMs use the tensor cores' fast accumulation (cuBLASLt's, without promotion to fp32 along the sum).
 - Backward: ``dx = [dY] [W]`` and ``dW = [dY]^T [x]``, dY in the gradient format (``e4m3``, or ``e5m2`` with 2
