@@ -209,7 +209,7 @@ struct MergeHeadsSource {
   }
 };
 
-// The head's gradient of the logits x [N, V] for the loss's statistics (lse per row, from ls_ce_stats_kernel) as
+// The head's gradient of the logits x [N, V] for the loss's statistics (lse per row, from ls_ce_fwd_kernel) as
 // the fused loss kernel computes it (ce_grad, rounded to T); rows whose target is ignore_index give zeros. The
 // coefficients are the fused kernel's (g_nll = 0; g_loss read from device memory, nullptr: 1).
 template <typename T>
@@ -288,6 +288,15 @@ __device__ __forceinline__ void store_transposed(const uint4& packed, uint8_t* t
         *reinterpret_cast<const uint4*>(tb + r * kTile + swizzled_chunk(r, c >> 4));
 }
 
+// This thread's 16 codes (of row i, columns j .. j + 15, in the tile at (m0, k0)) into the row-major codes out
+// [M, K] and the transposed codes out_t, each skipped when nullptr
+__device__ __forceinline__ void store_codes(const uint4& packed, int64_t i, int64_t j, int64_t M, int64_t K,
+                                            uint8_t* __restrict__ out, uint8_t* tb, int64_t m0, int64_t k0,
+                                            int64_t Mp, uint8_t* __restrict__ out_t) {
+  if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
+  if (out_t != nullptr) store_transposed(packed, tb, m0, k0, K, Mp, out_t);
+}
+
 // partial (Source::kSums): [tiles of 64 rows, K] floats, each tile row's column sums of the source's raw values
 template <typename Source>
 __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt, bool current,
@@ -319,8 +328,7 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
       if (partial != nullptr) tile_colsum(raw, partial + (t / tiles_k) * K, k0, K);  // uniform over the block
     }
     const uint4 packed = to_codes<uint4>(v, s, fmt, m);
-    if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
-    if (out_t != nullptr) store_transposed(packed, tile_t[buf], m0, k0, K, Mp, out_t);
+    store_codes(packed, i, j, M, K, out, tile_t[buf], m0, k0, Mp, out_t);
   }
   if (!current) {
     m = block_max_bits<kThreads>(m);
@@ -366,8 +374,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
       for (int k = 0; k < 16; ++k) acc[k] += raw[k];
       const uint4 packed = to_codes<uint4>(v, s, fmt, m);
-      if (out != nullptr && i < M && j < K) *reinterpret_cast<uint4*>(out + i * K + j) = packed;
-      if (out_t != nullptr) store_transposed(packed, tile_t[buf], m0, k0, K, Mp, out_t);
+      store_codes(packed, i, j, M, K, out, tile_t[buf], m0, k0, Mp, out_t);
     }
     if (partial != nullptr) tile_colsum(acc, partial + (int64_t)ci * K, k0, K);  // uniform over the block
   }
@@ -411,8 +418,8 @@ __global__ void cast_many_kernel(const CastJobs jobs, Fp8Format fmt) {
       for (int k = 0; k < 16; ++k) v[k] = 0.f;
     }
     const uint4 packed = to_codes<uint4>(v, J.row[kFp8Scale], fmt, m);
-    if (J.out != nullptr && i < J.M && j < J.K) *reinterpret_cast<uint4*>(static_cast<uint8_t*>(J.out) + i * J.K + j) = packed;
-    if (J.out_t != nullptr) store_transposed(packed, tile_t[buf], m0, k0, J.K, J.Mp, static_cast<uint8_t*>(J.out_t));
+    store_codes(packed, i, j, J.M, J.K, static_cast<uint8_t*>(J.out), tile_t[buf], m0, k0, J.Mp,
+                static_cast<uint8_t*>(J.out_t));
   }
   m = block_max_bits<kThreads>(m);
   if (threadIdx.x == 0 && cur < jobs.n) record_amax(jobs.job[cur].row, m);
@@ -443,22 +450,33 @@ int blocks_for(int64_t work, int64_t per_block) {
 // rows of 64 x 64 tiles over the [max(M, Mp), K] tensor the cast walks
 int64_t tile_rows(int64_t M, int64_t Mp) { return ((Mp > M ? Mp : M) + kTile - 1) / kTile; }
 
+// rows of work items of `chunk` tiles down a column strip (of partial sums of a summing cast)
+int64_t chunk_rows(int64_t M, int64_t Mp, int chunk) { return (tile_rows(M, Mp) + chunk - 1) / chunk; }
+
+// work items of `chunk` 64 x 64 tiles over the [max(M, Mp), K] tensor the cast walks
+int64_t tile_count(int64_t M, int64_t K, int64_t Mp, int chunk = 1) {
+  return chunk_rows(M, Mp, chunk) * ((K + kTile - 1) / kTile);
+}
+
 // tiles a work item of chunked_cast_kernel: the most, up to 8, that still leave at least 512 work items (about
 // three per SM), so that the grid stays full
 int cast_chunk(int64_t M, int64_t K, int64_t Mp) {
-  const int64_t tm = tile_rows(M, Mp), tk = (K + kTile - 1) / kTile;
   int c = 8;
-  while (c > 1 && (tm + c - 1) / c * tk < 512) c /= 2;
+  while (c > 1 && tile_count(M, K, Mp, c) < 512) c /= 2;
   return c;
 }
 
-// the grid of a tile kernel (cast_kernel, chunked_cast_kernel): one tile (work item) per block
-// and step, no more blocks than the GPU holds at once with its registers (one wave)
+// the grid of a tile kernel (cast_kernel, chunked_cast_kernel, cast_many_kernel) over `tiles` work items: one per
+// block and step, no more blocks than the GPU holds at once with its registers (one wave)
 template <auto Kernel>
-int tile_blocks(int64_t M, int64_t K, int64_t Mp, int chunk = 1) {  // chunk: tiles a work item (chunked_cast_kernel)
-  const int64_t tiles = (tile_rows(M, Mp) + chunk - 1) / chunk * ((K + kTile - 1) / kTile);
+int wave_blocks(int64_t tiles) {
   const int64_t resident = resident_blocks<Kernel, kThreads>();
   return blocks_for(tiles < resident ? tiles : resident, 1);
+}
+
+template <auto Kernel>
+int tile_blocks(int64_t M, int64_t K, int64_t Mp, int chunk = 1) {  // chunk: tiles a work item (chunked_cast_kernel)
+  return wave_blocks<Kernel>(tile_count(M, K, Mp, chunk));
 }
 
 }  // namespace
@@ -491,14 +509,11 @@ void fp8_quantize_many(DType dt, const Fp8CastJob* jobs, int n, Fp8Format fmt, c
     for (int k = 0; k < table.n; ++k) {
       const Fp8CastJob& J = jobs[first + k];
       table.job[k] = J;
-      table.start[k + 1] = table.start[k] + tile_rows(J.M, J.Mp) * ((J.K + kTile - 1) / kTile);
+      table.start[k + 1] = table.start[k] + tile_count(J.M, J.K, J.Mp);
     }
     if (table.start[table.n] == 0) continue;
-    LS_DISPATCH(dt, T, {
-      const int64_t resident = resident_blocks<cast_many_kernel<T>, kThreads>();
-      const int64_t tiles = table.start[table.n];
-      cast_many_kernel<T><<<blocks_for(tiles < resident ? tiles : resident, 1), kThreads, 0, stream>>>(table, fmt);
-    });
+    LS_DISPATCH(dt, T, cast_many_kernel<T><<<wave_blocks<cast_many_kernel<T>>(table.start[table.n]), kThreads, 0,
+                                             stream>>>(table, fmt));
     check_launch("fp8_quantize_many", stream);
   }
 }
@@ -570,7 +585,7 @@ void launch_summing_cast(const Source& src, int64_t M, int64_t K, float* row, Fp
   check_launch(name, stream);
   if (dbias == nullptr) return;
   T* const outs[1] = {static_cast<T*>(dbias)};
-  colsum_finalize<T, 1>(partial, (int)((tile_rows(M, Mp) + chunk - 1) / chunk), (int)K, outs, stream, name);
+  colsum_finalize<T, 1>(partial, (int)chunk_rows(M, Mp, chunk), (int)K, outs, stream, name);
 }
 
 template <typename T, Act A>

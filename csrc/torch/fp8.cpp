@@ -147,8 +147,8 @@ std::unordered_map<const void*, WeightCodes>& weight_codes() {
 }
 
 // W's [codes, transposed codes] for projection u: made ahead when they were (delayed scaling only), else cast now
-std::pair<Tensor, Tensor> weight_codes_of(const char* op, const Tensor& weight, const Use& u, bool current) {
-  if (!current) {
+std::pair<Tensor, Tensor> weight_codes_of(const char* op, const Tensor& weight, const Use& u) {
+  if (!u.current) {
     std::lock_guard<std::mutex> lock(weight_codes_mutex);
     auto& codes = weight_codes();
     auto it = codes.find(weight.data_ptr());
@@ -161,7 +161,7 @@ std::pair<Tensor, Tensor> weight_codes_of(const char* op, const Tensor& weight, 
       return {w.q, w.q_t};
     }
   }
-  return quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, current, true, true);
+  return quantize(op, weight, u.state, u.row(1), ls::Fp8Format::E4M3, u.current, true, true);
 }
 
 // The forward's GEMM and what the backward keeps: [y2, x's transposed codes (or undefined), W's transposed codes,
@@ -170,7 +170,7 @@ std::pair<Tensor, Tensor> weight_codes_of(const char* op, const Tensor& weight, 
 std::vector<Tensor> codes_forward(const Tensor& xq, const Tensor& xq_t, at::ScalarType dt, const Tensor& weight,
                                   const OptTensor& bias, const Use& u) {
   const char* op = "fp8_linear";
-  auto [wq, wq_t] = weight_codes_of(op, weight, u, u.current);
+  auto [wq, wq_t] = weight_codes_of(op, weight, u);
   Tensor sx = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
   // mat2 = W^T as a column-major [K, N] view of the row-major [N, K] codes
   Tensor y2 = at::_scaled_mm(xq, wq.t(), sx, sw, bias, std::nullopt, dt, true);
@@ -489,7 +489,7 @@ std::vector<Tensor> fp8_act_linear_forward(const Tensor& x2, const OptTensor& bi
   }
   Tensor mask;
   auto [aq, aq_t] = act_codes(op, x2, bias, mask, true, positive_bits, activation, p, u, true, keep_codes);
-  auto [wq, wq_t] = weight_codes_of(op, weight, u, false);
+  auto [wq, wq_t] = weight_codes_of(op, weight, u);  // delayed scaling here (current returned above)
   Tensor sa = scale_inv_of(u.state, u.row(0)), sw = scale_inv_of(u.state, u.row(1));
   Tensor y2 = at::_scaled_mm(aq, wq.t(), sa, sw, std::nullopt, std::nullopt, x2.scalar_type(), true);
   return {y2, mask, aq_t, wq_t, sa, sw};
