@@ -24,7 +24,7 @@
 // order). Ignored rows are not read: loss 0, gradient 0.
 //
 // The FP8 head (--fp8) needs the gradient only as FP8 codes, row-major and transposed: a first pass per row makes
-// the statistics (ls_ce_stats_kernel, the fused kernel's first pass) and a tile pass (fp8.cu: fp8_ce_grad) reads
+// the statistics (ls_ce_fwd_kernel at the fused kernel's block size) and a tile pass (fp8.cu: fp8_ce_grad) reads
 // the logits again and writes both layouts of the codes, so no transpose of the codes follows.
 #include "kernels/ce_grad.cuh"
 #include "kernels/common.cuh"
@@ -116,8 +116,6 @@ __device__ __forceinline__ void ce_row_loss(const T* x, int64_t t, int V, float 
   }
 }
 
-// The backward's coefficients: dlogit_v = p_v * A - Bc - [v == t] * Dt.
-
 // dx = the gradient of row x (dx may be x: each thread reads its 8 values before it writes them, and no other
 // thread touches them, so the pointers are not __restrict__); ignored: zeros, x not read.
 template <typename T, bool VEC, int THREADS>
@@ -165,17 +163,19 @@ __device__ __forceinline__ CeGrad ce_fused_prologue(const T* x, int64_t t, int V
   return sh_c;
 }
 
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(kCeThreads) ls_ce_fwd_kernel(const T* __restrict__ logits,
-                                                               const int64_t* __restrict__ target,
-                                                               float* __restrict__ losses, float* __restrict__ lse_out,
-                                                               int64_t N, int V, float eps, int64_t ignore_index) {
+// THREADS: kCeThreads; kCeFusedThreads for the FP8 head's first pass, whose loss, nll and lse are then bit for bit
+// the fused kernel's (ce_fused_prologue: the same row statistics and loss)
+template <typename T, bool VEC, int THREADS = kCeThreads>
+__global__ void __launch_bounds__(THREADS) ls_ce_fwd_kernel(const T* __restrict__ logits,
+                                                            const int64_t* __restrict__ target,
+                                                            float* __restrict__ losses, float* __restrict__ lse_out,
+                                                            int64_t N, int V, float eps, int64_t ignore_index) {
   const int64_t row = blockIdx.x;
   const T* x = logits + row * V;
   const int64_t t = target[row];
   MaxSum tot;
   float tsx;
-  ce_row_stats<T, VEC, kCeThreads>(x, V, tot, tsx);
+  ce_row_stats<T, VEC, THREADS>(x, V, tot, tsx);
   if (threadIdx.x == 0) {
     const float lse = tot.m + __logf(tot.s);
     lse_out[row] = lse;
@@ -226,27 +226,6 @@ __global__ void __launch_bounds__(kCeFusedThreads) ls_ce_fwd_bwd_kernel(T* logit
   float lse;
   const CeGrad c = ce_fused_prologue<T, VEC>(x, t, V, eps, g_loss, losses, row, N, lse);
   ce_grad_row<T, VEC, kCeFusedThreads>(x, x, V, t, false, lse, c);
-}
-
-// The FP8 head's first pass: per row the forward's statistics as the fused kernel computes them (ce_fused_prologue,
-// the same block size, so the same bits): the row's (loss, nll) into losses [2, N] and lse into lse_out [N]. The
-// gradient's codes come from a second pass over the logits (fp8_ce_grad, fp8.cu), which writes both layouts.
-template <typename T>
-__global__ void __launch_bounds__(kCeFusedThreads) ls_ce_stats_kernel(const T* __restrict__ logits,
-                                                                      const int64_t* __restrict__ target,
-                                                                      float* __restrict__ losses,
-                                                                      float* __restrict__ lse_out,
-                                                                      const float* __restrict__ g_loss, int64_t N,
-                                                                      int V, float eps, int64_t ignore_index) {
-  const int64_t row = blockIdx.x;
-  const int64_t t = target[row];
-  if (t == ignore_index) {  // the same for the whole block
-    if (threadIdx.x == 0) { losses[row] = 0.f; losses[N + row] = 0.f; }
-    return;
-  }
-  float lse;
-  ce_fused_prologue<T, true>(logits + row * V, t, V, eps, g_loss, losses, row, N, lse);
-  if (threadIdx.x == 0) lse_out[row] = lse;
 }
 
 // ================================================================ launchers
@@ -305,9 +284,9 @@ void ls_cross_entropy_fwd_bwd_fp8(DType dt, const void* logits, const int64_t* t
   if (V % 16 != 0 || !aligned16(logits) || !aligned16(codes) || (codes_t != nullptr && !aligned16(codes_t)))
     throw std::runtime_error("ls_cross_entropy_fwd_bwd_fp8: the vocabulary must be a multiple of 16 and the "
                              "buffers 16-byte aligned");
-  LS_DISPATCH(dt, T, {
-    ls_ce_stats_kernel<T><<<(unsigned)N, kCeFusedThreads, 0, stream>>>(
-        static_cast<const T*>(logits), target, losses, lse, g_loss, N, V, epsilon, ignore_index);
+  LS_DISPATCH(dt, T, {  // the loss's statistics per row, then the gradient's codes from a pass over the logits
+    ls_ce_fwd_kernel<T, true, kCeFusedThreads><<<(unsigned)N, kCeFusedThreads, 0, stream>>>(
+        static_cast<const T*>(logits), target, losses, lse, N, V, epsilon, ignore_index);
     LS_CHECK_LAUNCH("ls_cross_entropy_fwd_bwd_fp8", stream);
   });
   fp8_ce_grad(dt, logits, target, lse, g_loss, N, V, epsilon, ignore_index, fp8_row, fmt, codes, codes_t, Mp, stream);
