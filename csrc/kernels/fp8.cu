@@ -151,34 +151,57 @@ struct ActDropoutSource {
 template <typename T, Act A>
 struct ActDropoutGradSource {
   static constexpr bool kSums = true;
+  static constexpr int kWords = sizeof(T);  // 16-byte words of 16 elements
   const T* dy;
   const T* x;
   const T* bias;
   const uint8_t* keep;
   int64_t K;
   float scale;
+  // what load16 reads from memory for 16 elements, as stored: chunked_cast_kernel fetches a tile ahead of its use
+  struct Fetched {
+    uint4 dy[kWords];
+    uint4 x[A == Act::None ? 1 : kWords];
+    uint32_t bits;  // keep bits of the two 8-element groups
+  };
   __device__ __forceinline__ void begin() {}
-  __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16], float (&raw)[16]) {
+  __device__ __forceinline__ void fetch(int64_t i, int64_t j, Fetched& f) const {
+    const int64_t e = i * K + j;  // a multiple of 16: groups e / 8 and e / 8 + 1
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) f.dy[q] = reinterpret_cast<const uint4*>(dy + e)[q];
+    if constexpr (A != Act::None) {
+      if (x != nullptr) {
+#pragma unroll
+        for (int q = 0; q < kWords; ++q) f.x[q] = reinterpret_cast<const uint4*>(x + e)[q];
+      }
+    }
+    f.bits = keep != nullptr ? *reinterpret_cast<const uint16_t*>(keep + (e >> 3)) : 0u;
+  }
+  // raw: the gradient in fp32 before rounding; the cast's values are raw rounded to T (value_of)
+  __device__ __forceinline__ void convert(const Fetched& f, int64_t j, float (&raw)[16]) const {
+    const T* g16 = reinterpret_cast<const T*>(f.dy);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float(&g)[8] = *reinterpret_cast<float(*)[8]>(raw + 8 * h);
-      const int64_t e = i * K + j + 8 * h;
-      load8(dy + e, g);
+      const uint32_t bits = (f.bits >> (8 * h)) & 0xffu;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) g[k] = to_f(g16[8 * h + k]);
       if (A == Act::Relu && x == nullptr) {
-        keep8(g, keep[e >> 3], scale);
+        keep8(g, bits, scale);
       } else {
         if constexpr (A != Act::None) {
+          const T* x16 = reinterpret_cast<const T*>(f.x);
           float z[8], b[8];
-          load8(x + e, z);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) z[k] = to_f(x16[8 * h + k]);
           if (bias != nullptr) load8(bias + j + 8 * h, b);
           act_grad8<A>(g, z, bias != nullptr ? b : nullptr);
         }
-        if (keep != nullptr) keep8(g, keep[e >> 3], scale);
+        if (keep != nullptr) keep8(g, bits, scale);
       }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) v[8 * h + k] = to_f(from_f<T>(g[k]));
     }
   }
+  static __device__ __forceinline__ float value_of(float raw) { return to_f(from_f<T>(raw)); }
 };
 
 // The gradient of the attention's input projection, merged from the heads' gradients: row r (= b * T + t), column
@@ -340,9 +363,12 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
 // work items of `chunk` consecutive 64-row tiles of one 64-column strip (the strips of a chunk side by side in the
 // item order). Each thread adds its rows' raw values in registers, in increasing row order, and a work item's
 // column sums leave once, as row item / strips of partial ([chunks, K] floats): one block reduction per chunk
-// instead of one per tile. chunk depends on the shape only (cast_chunk), so the order of the sums does too.
+// instead of one per tile. chunk depends on the shape and the GPU only (cast_chunk), so the order of the sums does
+// too. A block walks its tiles (its items' tiles, item after item) one ahead: each tile's loads are issued before
+// the previous tile is converted and stored, so that they are in flight meanwhile (this kernel holds 3 blocks an SM
+// at up to 80 registers; without the loads ahead it held 4 at 64 and spent most of its time waiting for them).
 template <typename Source>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, 3)
     chunked_cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt,
                         uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t Mp,
                         float* __restrict__ partial, int chunk) {
@@ -350,33 +376,52 @@ __global__ void __launch_bounds__(kThreads, 4)
   __shared__ __align__(16) uint8_t tile_t[2][kTile * kTile];
   const float s = row[kFp8Scale];
   const int tiles_m = (int)((Mp + kTile - 1) / kTile), tiles_k = (int)((K + kTile - 1) / kTile);
-  const int chunks = (tiles_m + chunk - 1) / chunk;
+  const int items = (tiles_m + chunk - 1) / chunk * tiles_k;
   const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 16;
   unsigned m = 0u;
   int buf = 0;
   src.begin();
-  for (int w = blockIdx.x; w < chunks * tiles_k; w += gridDim.x) {
+  // the tile after (w, tm) in this block's walk: the next row tile of item w, else the first of w + gridDim.x
+  int w = blockIdx.x, tm = (w / tiles_k) * chunk;
+  typename Source::Fetched next;
+  if (w < items && (int64_t)tm * kTile + r < M && (w % tiles_k) * kTile + c < K)
+    src.fetch((int64_t)tm * kTile + r, (w % tiles_k) * kTile + c, next);
+  float acc[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+  while (w < items) {
     const int ci = w / tiles_k, k0 = (w - ci * tiles_k) * kTile;
-    const int64_t j = k0 + c;
-    const int tm_end = min(tiles_m, (ci + 1) * chunk);
-    float acc[16];
-#pragma unroll
-    for (int k = 0; k < 16; ++k) acc[k] = 0.f;
-    for (int tm = ci * chunk; tm < tm_end; ++tm, buf ^= 1) {
-      const int64_t m0 = (int64_t)tm * kTile, i = m0 + r;
-      float v[16], raw[16];
-      if (i < M && j < K) {
-        src.load16(i, j, v, raw);
-      } else {
-#pragma unroll
-        for (int k = 0; k < 16; ++k) v[k] = raw[k] = 0.f;
-      }
-#pragma unroll
-      for (int k = 0; k < 16; ++k) acc[k] += raw[k];
-      const uint4 packed = to_codes<uint4>(v, s, fmt, m);
-      store_codes(packed, i, j, M, K, out, tile_t[buf], m0, k0, Mp, out_t);
+    const int64_t i = (int64_t)tm * kTile + r, j = k0 + c;
+    const bool item_ends = tm + 1 >= min(tiles_m, (ci + 1) * chunk);
+    const int w_next = item_ends ? w + (int)gridDim.x : w;
+    const int tm_next = item_ends ? (w_next / tiles_k) * chunk : tm + 1;
+    const typename Source::Fetched cur = next;
+    if (w_next < items) {
+      const int64_t i_n = (int64_t)tm_next * kTile + r, j_n = (w_next % tiles_k) * kTile + c;
+      if (i_n < M && j_n < K) src.fetch(i_n, j_n, next);
     }
-    if (partial != nullptr) tile_colsum(acc, partial + (int64_t)ci * K, k0, K);  // uniform over the block
+    float v[16];
+    if (i < M && j < K) {
+      src.convert(cur, j, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 16; ++k) v[k] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      acc[k] += v[k];
+      v[k] = Source::value_of(v[k]);
+    }
+    const uint4 packed = to_codes<uint4>(v, s, fmt, m);
+    store_codes(packed, i, j, M, K, out, tile_t[buf], (int64_t)tm * kTile, k0, Mp, out_t);
+    buf ^= 1;
+    if (item_ends) {
+      if (partial != nullptr) tile_colsum(acc, partial + (int64_t)ci * K, k0, K);  // uniform over the block
+#pragma unroll
+      for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+    }
+    w = w_next;
+    tm = tm_next;
   }
   m = block_max_bits<kThreads>(m);
   if (threadIdx.x == 0) record_amax(row, m);
@@ -458,11 +503,12 @@ int64_t tile_count(int64_t M, int64_t K, int64_t Mp, int chunk = 1) {
   return chunk_rows(M, Mp, chunk) * ((K + kTile - 1) / kTile);
 }
 
-// tiles a work item of chunked_cast_kernel: the most, up to 8, that still leave at least 512 work items (about
-// three per SM), so that the grid stays full
-int cast_chunk(int64_t M, int64_t K, int64_t Mp) {
-  int c = 8;
-  while (c > 1 && tile_count(M, K, Mp, c) < 512) c /= 2;
+// tiles a work item of chunked_cast_kernel, for a GPU that holds `resident` of its blocks at once: 4, or 2 or 1
+// where 4 leaves fewer items than half of that. Measured on an H200 (transformer-big's shapes, 1,800 to 7,488 rows):
+// 4 was the fastest or within 2% of it from 3,600 rows up; 8 lost up to 20%; 1 up to 21% (a block reduction per tile).
+int cast_chunk(int64_t M, int64_t K, int64_t Mp, int64_t resident) {
+  int c = 4;
+  while (c > 1 && 2 * tile_count(M, K, Mp, c) < resident) c /= 2;
   return c;
 }
 
@@ -573,7 +619,9 @@ template <typename T, bool CHUNKED, typename Source>
 void launch_summing_cast(const Source& src, int64_t M, int64_t K, float* row, Fp8Format fmt, void* out, void* out_t,
                          int64_t Mp, void* dbias, float* partial, cudaStream_t stream, const char* name) {
   float* sums = dbias != nullptr ? partial : nullptr;
-  const int chunk = CHUNKED && sums != nullptr ? cast_chunk(M, K, Mp) : 1;
+  int chunk = 1;
+  if constexpr (CHUNKED)
+    if (sums != nullptr) chunk = cast_chunk(M, K, Mp, resident_blocks<chunked_cast_kernel<Source>, kThreads>());
   uint8_t* const o = static_cast<uint8_t*>(out);
   uint8_t* const o_t = static_cast<uint8_t*>(out_t);
   if constexpr (CHUNKED)
