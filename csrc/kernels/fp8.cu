@@ -158,7 +158,7 @@ struct ActDropoutGradSource {
   const uint8_t* keep;
   int64_t K;
   float scale;
-  // what load16 reads from memory for 16 elements, as stored: chunked_cast_kernel fetches a tile ahead of its use
+  // what 16 elements of a row need from memory, as stored: chunked_cast_kernel fetches them a tile ahead of their use
   struct Fetched {
     uint4 dy[kWords];
     uint4 x[A == Act::None ? 1 : kWords];
@@ -365,8 +365,9 @@ __global__ void cast_kernel(Source src, int64_t M, int64_t K, float* __restrict_
 // column sums leave once, as row item / strips of partial ([chunks, K] floats): one block reduction per chunk
 // instead of one per tile. chunk depends on the shape and the GPU only (cast_chunk), so the order of the sums does
 // too. A block walks its tiles (its items' tiles, item after item) one ahead: each tile's loads are issued before
-// the previous tile is converted and stored, so that they are in flight meanwhile (this kernel holds 3 blocks an SM
-// at up to 80 registers; without the loads ahead it held 4 at 64 and spent most of its time waiting for them).
+// the previous tile is converted and stored, so that they are in flight meanwhile. At up to 80 registers an SM
+// holds 3 blocks; without the loads ahead it held 4 at 64, each thread waiting for its loads before converting them,
+// and the ReLU gradient's cast of 7,488 x 4,096 took 1.17x as long on an H200.
 template <typename Source>
 __global__ void __launch_bounds__(kThreads, 3)
     chunked_cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt,
