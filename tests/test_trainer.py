@@ -175,7 +175,7 @@ def test_step_timing_summary_takes_medians_after_the_warm_up():
     tails = [20.0, 20.0] + [3.0] * 6
     gaps = [None, 50.0] + [0.5] * 5 + [4.5]
     line = step_timing_summary(micro, updates, tails, gaps)
-    assert line.startswith("step timing: 8 updates, medians over the last 6: update 25.00 ms")
+    assert line.startswith("step timing: 8 updates, medians over the last 6: update 25.00 ms (mean 28.33)")
     assert "micro-batch fwd+bwd 11.50 ms" in line  # median of 10, 12 (five times each), 11 and 30
     assert "after the last backward 3.00 ms" in line
     assert "between updates 0.50 ms (mean 1.17, max 4.50)" in line

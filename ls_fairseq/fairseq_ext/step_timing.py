@@ -17,7 +17,8 @@ logger = logging.getLogger("fairseq.trainer")  # fairseq's own logger: the same 
 
 def step_timing_summary(micro, updates, tails, gaps, skip=0.25, waits=None):
     """The line ``LS_FAIRSEQ_STEP_TIMING=1`` logs: medians over the updates after the first ``skip``
-    fraction (allocator and autotuning warm-up), all in GPU milliseconds.
+    fraction (allocator and autotuning warm-up), all in GPU milliseconds; and the updates' mean (batches of
+    several shapes: the median is a typical update's time, the mean sets the throughput).
 
     ``micro``: per update, the forward + backward of each micro-batch; ``updates``: first
     micro-batch start to the end of the optimizer step; ``tails``: end of the last backward to
@@ -35,7 +36,8 @@ def step_timing_summary(micro, updates, tails, gaps, skip=0.25, waits=None):
     first = min(int(n * skip), n - 1)
     med = statistics.median
     flat = [m for ms in micro[first:] for m in ms]
-    line = (f"step timing: {n} updates, medians over the last {n - first}: update {med(updates[first:]):.2f} ms, "
+    line = (f"step timing: {n} updates, medians over the last {n - first}: update {med(updates[first:]):.2f} ms "
+            f"(mean {statistics.mean(updates[first:]):.2f}), "
             f"micro-batch fwd+bwd {med(flat):.2f} ms, after the last backward {med(tails[first:]):.2f} ms")
     kept_gaps = [g for g in gaps[first:] if g is not None]
     if kept_gaps:
