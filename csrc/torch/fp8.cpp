@@ -426,11 +426,13 @@ std::vector<Tensor> act_grad_codes(const char* op, const Tensor& dy2_in, const O
   OptTensor x = present(x2) ? OptTensor(aligned(contig(*x2))) : std::nullopt;
   OptTensor b = channel_param(op, "bias", bias, dy2, K);
   if (present(b)) b = aligned(contig(*b));
+  // the kernel reads the mask bits of 16 elements as one 2-byte word
+  const OptTensor keep = present(mask) ? OptTensor(aligned(contig(*mask))) : std::nullopt;
   const SummedCodes c(dy2, M, K, fmt, rowwise, transposed, need_db);
   c10::cuda::CUDAGuard guard(dy2.device());
   launch(op, [&] {
     ls::fp8_act_dropout_grad(to_dtype(op, dy2), dy2.data_ptr(), ptr_or_null(x), ptr_or_null(b),
-                             present(mask) ? mask->data_ptr<uint8_t>() : nullptr, M, K, (float)p, act,
+                             present(keep) ? keep->data_ptr<uint8_t>() : nullptr, M, K, (float)p, act,
                              u.state.data_ptr<float>() + u.row(2) * ls::kFp8Width, fmt, c.out(), c.out_t(),
                              c.out_t_rows(M), c.dbias(), c.partial(), stream());
   });
