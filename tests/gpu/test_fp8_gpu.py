@@ -334,7 +334,8 @@ def test_activation_written_as_codes_equals_the_stored_pair(activation, p, keep,
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("keep", [True, False], ids=["keep_codes", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 61, 64, 256), (2, 100, 128, 4096)])
+# (8, 500, ...): 4,000 rows, enough that the gradient casts walk work items of several tiles (cast_chunk)
+@pytest.mark.parametrize("shape", [(3, 61, 64, 256), (2, 100, 128, 4096), (8, 500, 128, 4096)])
 def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
     """The FFN block as one FP8 node (ag_fp8_ffn) writes the gradients reaching its projections straight as codes,
     with the bias gradients summed on the way: output, masks, dx, both weight gradients, the residual's gradient and
@@ -371,7 +372,7 @@ def test_ffn_node_equals_the_chain(activation, p, keep, dtype, shape):
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 61, 64, 256), (2, 100, 1024, 1024), (1, 7, 48, 32)])
+@pytest.mark.parametrize("shape", [(3, 61, 64, 256), (2, 100, 1024, 1024), (1, 7, 48, 32), (4, 1000, 256, 1024)])
 def test_linear_residual_node_equals_the_chain(p, dtype, shape):
     """An attention block's output projection and residual dropout as one FP8 node (ag_fp8_linear_residual) write
     the projection's output gradient straight as codes, with the bias gradient summed on the way: output, mask, dx,
