@@ -26,7 +26,8 @@
 // activation is never written in its own precision, only as codes; and from that activation's backward
 // (fp8_act_dropout_grad) and from the attention heads' gradients (fp8_merge_heads_grad): the output gradients of
 // the FFN's first projection and of the attention's input projection leave as codes too, with their bias gradients
-// summed on the way (per 64-row tile in a fixed order, then colsum_finalize: deterministic).
+// summed on the way (per 64-row tile, or per work item of tiles down a column strip, in a fixed order, then
+// colsum_finalize: deterministic).
 //
 // The weights of a model's FP8 projections are cast together, in one launch per 32 (fp8_quantize_many): each weight
 // alone is one or two waves of tiles, too few to keep the GPU's memory busy. The head's gradient comes from the
@@ -382,11 +383,15 @@ __global__ void __launch_bounds__(kThreads, 3)
   unsigned m = 0u;
   int buf = 0;
   src.begin();
-  // the tile after (w, tm) in this block's walk: the next row tile of item w, else the first of w + gridDim.x
-  int w = blockIdx.x, tm = (w / tiles_k) * chunk;
   typename Source::Fetched next;
-  if (w < items && (int64_t)tm * kTile + r < M && (w % tiles_k) * kTile + c < K)
-    src.fetch((int64_t)tm * kTile + r, (w % tiles_k) * kTile + c, next);
+  const auto first_tile = [&](int item) { return (item / tiles_k) * chunk; };  // its row tile
+  const auto fetch = [&](int item, int tile) {  // this thread's part of row tile `tile` of work item `item`
+    const int64_t i = (int64_t)tile * kTile + r, j = (item % tiles_k) * kTile + c;
+    if (item < items && i < M && j < K) src.fetch(i, j, next);
+  };
+  // the tile after (w, tm) in this block's walk: the next row tile of item w, else the first of w + gridDim.x
+  int w = blockIdx.x, tm = first_tile(w);
+  fetch(w, tm);
   float acc[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) acc[k] = 0.f;
@@ -395,12 +400,9 @@ __global__ void __launch_bounds__(kThreads, 3)
     const int64_t i = (int64_t)tm * kTile + r, j = k0 + c;
     const bool item_ends = tm + 1 >= min(tiles_m, (ci + 1) * chunk);
     const int w_next = item_ends ? w + (int)gridDim.x : w;
-    const int tm_next = item_ends ? (w_next / tiles_k) * chunk : tm + 1;
+    const int tm_next = item_ends ? first_tile(w_next) : tm + 1;
     const typename Source::Fetched cur = next;
-    if (w_next < items) {
-      const int64_t i_n = (int64_t)tm_next * kTile + r, j_n = (w_next % tiles_k) * kTile + c;
-      if (i_n < M && j_n < K) src.fetch(i_n, j_n, next);
-    }
+    fetch(w_next, tm_next);
     float v[16];
     if (i < M && j < K) {
       src.convert(cur, j, v);
