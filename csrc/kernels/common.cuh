@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -30,6 +31,25 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// v[k] = to_f(from_f<T>(v[k])): the values as T stores them. bf16 rounds two values in one instruction and widens
+// them back by moving bits; the other types round one at a time.
+template <typename T, int N>
+__device__ __forceinline__ void round_as(float (&v)[N]) {
+  static_assert(N % 2 == 0, "pairs");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+    for (int k = 0; k < N; k += 2) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(v[k], v[k + 1]);  // .x = v[k] in the low half
+      const uint32_t u = *reinterpret_cast<const uint32_t*>(&h);
+      v[k] = __uint_as_float(u << 16);
+      v[k + 1] = __uint_as_float(u & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = to_f(from_f<T>(v[k]));
+  }
+}
 
 // ---------------------------------------------------------------- 8-element vectors
 template <typename T>
@@ -122,13 +142,17 @@ __device__ __forceinline__ uint4 philox4x32_10(uint64_t counter_lo, uint64_t cou
 
 // Keep bits (bit k = keep element k) of group g. threshold = round(p * 65536).
 __device__ __forceinline__ uint32_t dropout_bits(uint64_t g, uint64_t seed, uint64_t offset, uint32_t threshold) {
-  uint4 r = philox4x32_10(g, offset, seed);
-  uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  const uint4 r = philox4x32_10(g, offset, seed);
+  if (threshold > 0xFFFFu) return 0u;  // p rounds to 1: no 16-bit draw reaches it
+  // element 2i draws the low half of word i, element 2i + 1 its high half; each compared in place, unmasked:
+  // lo >= threshold iff (w << 16) >= (threshold << 16), hi >= threshold iff w >= (threshold << 16)
+  const uint32_t t = threshold << 16;
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
   uint32_t bits = 0;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    uint32_t u = (w[k >> 1] >> (16 * (k & 1))) & 0xFFFFu;
-    bits |= (u >= threshold ? 1u : 0u) << k;
+  for (int i = 0; i < 4; ++i) {
+    bits |= (w[i] << 16) >= t ? 1u << (2 * i) : 0u;
+    bits |= w[i] >= t ? 1u << (2 * i + 1) : 0u;
   }
   return bits;
 }

@@ -132,11 +132,9 @@ struct ActDropoutSource {
       float(&w)[8] = *reinterpret_cast<float(*)[8]>(v + 8 * h);
       bias_act8<A>(w, bias != nullptr ? b + 8 * h : nullptr);
       if (p > 0.f) keep8(w, bits[h], scale);
+      round_as<T>(w);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        w[k] = to_f(from_f<T>(w[k]));
-        pos[h] |= (w[k] > 0.f ? 1u : 0u) << k;
-      }
+      for (int k = 0; k < 8; ++k) pos[h] |= w[k] > 0.f ? 1u << k : 0u;
     }
     if (DRAW && p > 0.f && keep != nullptr)
       *reinterpret_cast<uint16_t*>(keep + (e >> 3)) = (uint16_t)(bits[0] | bits[1] << 8);
@@ -178,7 +176,7 @@ struct ActDropoutGradSource {
     }
     f.bits = keep != nullptr ? *reinterpret_cast<const uint16_t*>(keep + (e >> 3)) : 0u;
   }
-  // raw: the gradient in fp32 before rounding; the cast's values are raw rounded to T (value_of)
+  // raw: the gradient in fp32 before rounding; the cast's values are raw rounded to T (values_of)
   __device__ __forceinline__ void convert(const Fetched& f, int64_t j, float (&raw)[16]) const {
     const T* g16 = reinterpret_cast<const T*>(f.dy);
 #pragma unroll
@@ -202,7 +200,7 @@ struct ActDropoutGradSource {
       }
     }
   }
-  static __device__ __forceinline__ float value_of(float raw) { return to_f(from_f<T>(raw)); }
+  static __device__ __forceinline__ void values_of(float (&raw)[16]) { round_as<T>(raw); }
 };
 
 // The gradient of the attention's input projection, merged from the heads' gradients: row r (= b * T + t), column
@@ -259,7 +257,8 @@ struct CeGradSource {
     load8(x + i * K + j, *reinterpret_cast<float(*)[8]>(v));
     load8(x + i * K + j + 8, *reinterpret_cast<float(*)[8]>(v + 8));
 #pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = to_f(from_f<T>(ce_grad(v[k], l, c, j + k == t)));
+    for (int k = 0; k < 16; ++k) v[k] = ce_grad(v[k], l, c, j + k == t);
+    round_as<T>(v);
   }
 };
 
@@ -411,10 +410,8 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int k = 0; k < 16; ++k) v[k] = 0.f;
     }
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      acc[k] += v[k];
-      v[k] = Source::value_of(v[k]);
-    }
+    for (int k = 0; k < 16; ++k) acc[k] += v[k];
+    Source::values_of(v);
     const uint4 packed = to_codes<uint4>(v, s, fmt, m);
     store_codes(packed, i, j, M, K, out, tile_t[buf], (int64_t)tm * kTile, k0, Mp, out_t);
     buf ^= 1;

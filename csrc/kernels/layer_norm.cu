@@ -82,7 +82,8 @@ __global__ void __launch_bounds__(1024) layer_norm_fwd_kernel(
       float rv[8];
       ld<VEC>(residual + i0, n, rv);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = to_f(from_f<T>(v[k] + rv[k]));  // s is stored (and normalised) rounded
+      for (int k = 0; k < 8; ++k) v[k] += rv[k];
+      round_as<T>(v);  // s is stored (and normalised) rounded
       if (sum_out != nullptr) st<VEC>(sum_out + i0, n, v);
     }
   } else {
@@ -292,7 +293,8 @@ __global__ void __launch_bounds__(32 * kLnCodesWarps, 2) layer_norm_codes_kernel
       load8(gamma + c0, g);
       load8(beta + c0, b);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] = valid ? to_f(from_f<T>((to_f(t[w * 8 + k]) - mean) * rstd * g[k] + b[k])) : 0.f;
+      for (int k = 0; k < 8; ++k) o[k] = valid ? (to_f(t[w * 8 + k]) - mean) * rstd * g[k] + b[k] : 0.f;
+      round_as<T>(o);
       const uint2 packed = to_codes<uint2>(o, s, Fp8Format::E4M3, m);
       if (valid) *reinterpret_cast<uint2*>(out + r * C + c0) = packed;
       uint32_t* dst = reinterpret_cast<uint32_t*>(band + rr * kStride + c0);
