@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -5,6 +6,7 @@ from ls_fairseq.ops import bias_act_dropout, bias_dropout_residual
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_reference
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual_reference
 from ._tols import DTYPES, assert_close_to_gold, keep_rate_ok
+from _philox import keep_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -101,6 +103,32 @@ def test_manual_seed_reproduces_mask_and_seeds_differ(op):
     m2 = bias_dropout_residual(x, None, x, p=0.25, return_mask=True)[1]
     assert not torch.equal(m1, m2), "consecutive calls must draw fresh masks"
     assert keep_rate_ok(a, 0.25)
+
+
+@pytest.mark.parametrize("op", ["bdr", "bad"])
+@pytest.mark.parametrize("p", [0.1, 0.5, 1 - 2**-16, 1 - 2**-22])
+@pytest.mark.parametrize("shape", [(13, 1031), (64, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_masks_are_the_philox_draws_against_the_threshold(op, p, shape, dtype):
+    """The keep masks bit for bit tests/_philox.py's: Philox4x32-10 over the 8-element groups (counter: the group and
+    the generator's offset, key: its seed), 16 bits an element against round(p * 65536), for two launches after
+    manual_seed (offsets 0 and 4); p = 1 - 2^-16 keeps only the draws of 65535, 1 - 2^-22 rounds to 65536 and keeps
+    nothing. The vectorised and the element-wise launches (C a multiple of 8 or not) alike."""
+    x = torch.randn(*shape, device="cuda").to(dtype)
+    seed = 20241128
+
+    def call():
+        if op == "bdr":
+            return bias_dropout_residual(x, None, x, p=p, return_mask=True)[1]
+        return bias_act_dropout(x, None, "relu", p=p, return_mask=True)[1]
+
+    torch.manual_seed(seed)
+    masks = [call(), call()]
+    for k, m in enumerate(masks):
+        ref = keep_mask(x.numel(), p, seed, 4 * k).reshape(shape)
+        got = m.cpu().numpy()
+        assert got.dtype == np.bool_ and got.shape == shape
+        assert np.array_equal(got, ref), f"launch {k}: {(got != ref).sum()} of {got.size} keep bits differ"
 
 
 def test_saved_state_is_compact():
