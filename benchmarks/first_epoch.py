@@ -9,8 +9,9 @@ update, the host times around ``train_step``, the GPU times of its two events, t
 and how long a capture in it took; then it prints the analysis. The GPU time an update adds (its end event's time
 less the previous update's) is compared with the median for the same bucket in epoch 2; what epoch 1 adds beyond
 that is split into: the eager updates before the first capture, the updates that captured (a capture is hidden
-only as far as GPU work is queued when it begins: the queue at each capture is printed), the few updates after
-them, and the rest.
+only as far as GPU work is queued when it begins: the queue at each capture is printed; the later captures are
+split into those the pacing let through and those taken before their turn because no captured bucket could stand
+in), the few updates after them, and the rest.
 """
 
 import json
@@ -49,7 +50,8 @@ def record(out_path, argv):
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         events.append((start, end))
-        rec["steps"].append({"h0": h0, "h1": h1, "bucket": current.get("bucket"), "capture": current.get("capture", 0.0)})
+        rec["steps"].append({"h0": h0, "h1": h1, "bucket": current.get("bucket"),
+                             "capture": current.get("capture", 0.0), "due": current.get("due")})
         return out
 
     capture = graph_step.GraphStep._capture
@@ -63,6 +65,8 @@ def record(out_path, argv):
     paced = graph_step.GraphStep._paced
 
     def noted_paced(self, bucket, shape):
+        # whether the pacing allowed a capture now; a capture that was not due had no captured bucket to stand in
+        current["due"] = self._rows_since_capture >= graph_step.CAPTURE_SPACING_ROWS
         out = paced(self, bucket, shape)
         current["bucket"] = str(out)
         return out
@@ -117,7 +121,12 @@ def analyze(rec) -> dict:
         if S[i]["bucket"] is None:
             kind = "eager updates"
         elif S[i]["capture"] > 0:
-            kind = "captures, early" if i - n1 < EARLY else "captures, later"
+            if i - n1 < EARLY:
+                kind = "captures, early"
+            elif S[i].get("due") is False:
+                kind = "captures, later, before their turn"
+            else:
+                kind = "captures, later"
         else:
             kind = "after a capture" if i in after else "other updates"
         parts[kind] += excess
