@@ -66,7 +66,7 @@ def record(out_path, argv):
 
     def noted_paced(self, bucket, shape):
         # whether the pacing allowed a capture now; a capture that was not due had no captured bucket to stand in
-        current["due"] = self._rows_since_capture >= graph_step.CAPTURE_SPACING_ROWS
+        current["due"] = self.capture_due()
         out = paced(self, bucket, shape)
         current["bucket"] = str(out)
         return out

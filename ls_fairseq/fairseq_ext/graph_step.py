@@ -353,9 +353,14 @@ class GraphStep:
         g = self.graphs.get(bucket)
         return g is not None and g.mode == self.grads.mode
 
+    def capture_due(self) -> bool:
+        """Whether the batches since the last capture have computed CAPTURE_SPACING_ROWS rows: a bucket without graphs
+        is captured now rather than stood in for (:meth:`_paced`)."""
+        return self._rows_since_capture >= CAPTURE_SPACING_ROWS
+
     def _paced(self, bucket, shape):
         """The bucket a batch whose cheapest bucket is ``bucket`` runs in (capture pacing, CAPTURE_SPACING_ROWS)."""
-        if not self._ready(bucket) and self._rows_since_capture < CAPTURE_SPACING_ROWS:
+        if not self._ready(bucket) and not self.capture_due():
             limit = STAND_IN_COST * bucket.cost
             for b in self.buckets:  # sorted by cost
                 if b.cost > limit:
