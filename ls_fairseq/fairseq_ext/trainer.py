@@ -145,6 +145,7 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
 
     # ------------------------------------------------------------------ step
     def train_step(self, samples, raise_oom=False):
+        self._ls_join_prewarm()
         model, criterion = Trainer.model.fget(self), self.criterion  # the forward waits for the weights
         deferred = self._deferred_step_applies()
         if not deferred:
@@ -226,6 +227,37 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         self._ls_graphs = engine
         return engine
 
+    # ------------------------------------------------------- the kernels' warm-up before the first update
+    def _build_optimizer(self):
+        self._ls_start_prewarm()  # beside the optimizer's setup (prewarm.py)
+        return super()._build_optimizer()
+
+    def _ls_start_prewarm(self):
+        """Start :class:`~ls_fairseq.fairseq_ext.prewarm.Prewarm` on the first batch, once per run, when this run
+        takes the CUDA-graph step with ls_adam."""
+        if "_ls_prewarm" in self.__dict__:
+            return
+        self._ls_prewarm = None
+        from ls_fairseq.fairseq_ext import graph_step, prewarm
+
+        sample = self.__dict__.get("_dummy_batch")
+        if not graph_step.OPTIONS["on"] or not self.cuda or not isinstance(sample, dict) or not sample \
+                or getattr(self.cfg.optimizer, "_name", None) != "ls_adam" \
+                or graph_step.unsupported_reason(self) is not None:
+            return
+        try:
+            self._ls_prewarm = prewarm.Prewarm(self._model, self._criterion, sample, self.device,
+                                               pad=self.task.source_dictionary.pad())
+        except Exception as e:  # noqa: BLE001 - the warm-up only
+            logger.info("kernel warm-up before the first update not started (%s: %s)", type(e).__name__, e)
+
+    def _ls_join_prewarm(self):
+        """Wait for the kernels' warm-up (if one runs): the model runs on this thread from here."""
+        warm = self.__dict__.get("_ls_prewarm")
+        if warm:
+            self._ls_prewarm = False
+            warm.join()
+
     # ------------------------------------------ everything that reads the exact state settles first
     def get_train_iterator(self, *args, **kwargs):
         self._ls_resolve()
@@ -278,15 +310,18 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         settle_heap()  # the imported modules and the model, never walked by the collector again (heap.py)
 
     def begin_epoch(self, epoch):
+        self._ls_join_prewarm()
         self._ls_resolve()
         settle_heap()  # no pause of the garbage collector's in the epoch's updates (heap.py)
         return super().begin_epoch(epoch)
 
     def begin_valid_epoch(self, epoch):
+        self._ls_join_prewarm()
         self._ls_resolve()
         return super().begin_valid_epoch(epoch)
 
     def valid_step(self, sample, raise_oom=False):
+        self._ls_join_prewarm()
         self._ls_resolve()
         return super().valid_step(sample, raise_oom)
 
