@@ -44,8 +44,9 @@ above, the per-update seed, exact resume, and the calls from fairseq's loop that
 update first); the deferred step is :mod:`~ls_fairseq.fairseq_ext.deferred_step`, the pending
 update and its settling :mod:`~ls_fairseq.fairseq_ext.pending_update`, the update's statistics
 :mod:`~ls_fairseq.fairseq_ext.step_stats`, the batch's host-side preparation
-:mod:`~ls_fairseq.fairseq_ext.sample_prep`, and ``LS_FAIRSEQ_STEP_TIMING``
-:mod:`~ls_fairseq.fairseq_ext.step_timing`.
+:mod:`~ls_fairseq.fairseq_ext.sample_prep`, ``LS_FAIRSEQ_STEP_TIMING``
+:mod:`~ls_fairseq.fairseq_ext.step_timing`, and the warm-up of the first update's kernels while the
+optimizer is built :mod:`~ls_fairseq.fairseq_ext.prewarm`.
 """
 
 import contextlib
