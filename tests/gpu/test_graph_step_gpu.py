@@ -47,8 +47,11 @@ def test_graph_step_follows_the_eager_loss_curve(corpus, tmp_path, precision, sh
     the graphs alone."""
     flags = PRECISION_FLAGS[precision]
     padded = precision == "fp32"
-    eager, _ = _train(corpus, tmp_path, "eager", "--ls-graph-step", "off", *flags, shared=shared)
+    eager, eager_out = _train(corpus, tmp_path, "eager", "--ls-graph-step", "off", *flags, shared=shared)
     graph, out = _train(corpus, tmp_path, "graph", "--ls-graph-step", "on", *flags, shared=shared)
+    # the first update's kernels were warmed up while the optimizer was built (prewarm.py), with the graphs only
+    assert "kernel warm-up before the first update: the first batch" in out, out[-3000:]
+    assert "kernel warm-up" not in eager_out
     n_graph, n_buckets = _graph_micro_batches(out)
     assert n_graph > 150 and 1 <= n_buckets <= 12, out[-3000:]
     assert ("packed buckets" in out) == (not padded) and ("shape buckets" in out) == padded, out[-3000:]
