@@ -43,7 +43,7 @@ def test_the_warm_up_runs_the_first_batch_and_leaves_the_model_and_the_batch_alo
 
     type(m).forward = counted
     try:
-        w = prewarm.Prewarm(m, crit, sample, "cpu", pad=d.pad())
+        w = prewarm.Prewarm(m, crit, sample, "cpu")
         assert sys.getswitchinterval() <= prewarm.SWITCH_INTERVAL
         w.join()
     finally:
@@ -60,8 +60,25 @@ def test_an_error_in_the_warm_up_is_reported_not_raised(caplog):
     d, m, crit = _model()
     bad = _sample(d, [4], [5])
     del bad["target"]
-    w = prewarm.Prewarm(m, crit, bad, "cpu", pad=d.pad())
+    w = prewarm.Prewarm(m, crit, bad, "cpu")
     with caplog.at_level("INFO", logger="fairseq.trainer"):
         w.join()
     assert w.error is not None and "target" in w.error
     assert "training is not affected" in caplog.text
+
+
+def test_the_batch_is_marked_on_a_copy_as_the_eager_step_marks_it():
+    import types
+
+    from ls_fairseq.fairseq_ext.criterion import COUNTED_ROWS_KEY
+    from ls_fairseq.fairseq_ext.sample_prep import SRC_PADDING_KEY, SamplePrepMixin
+
+    d, m, crit = _model()
+    t = SamplePrepMixin()
+    t._criterion, t._model, t.task = crit, m, types.SimpleNamespace(source_dictionary=d)
+    sample = _sample(d, [4, 6, 2], [5, 3, 6])
+    keys, net_keys = set(sample), set(sample["net_input"])
+    marked = t._host_marked(sample)
+    assert set(sample) == keys and set(sample["net_input"]) == net_keys
+    assert torch.equal(marked[COUNTED_ROWS_KEY], crit.counted_rows(sample["target"]))
+    assert marked["net_input"][SRC_PADDING_KEY] is True  # sentences of 4 and 2 tokens beside one of 6

@@ -52,12 +52,12 @@ def _cut_copy(model):
 
 
 class Prewarm:
-    """Starts the helper thread (module docstring) on ``sample``, a fairseq translation batch on the host;
-    :meth:`join` waits for it."""
+    """Starts the helper thread (module docstring) on ``sample``, a fairseq translation batch on the host as
+    LSTrainer marks it for the eager step (``SamplePrepMixin._host_marked``); :meth:`join` waits for it."""
 
-    def __init__(self, model, criterion, sample, device, pad: int):
+    def __init__(self, model, criterion, sample, device):
         self.replica = _cut_copy(model)
-        self.criterion, self.sample, self.device, self.pad = criterion, sample, torch.device(device), pad
+        self.criterion, self.sample, self.device = criterion, sample, torch.device(device)
         self.error = None
         self.seconds = 0.0
         self._switch = sys.getswitchinterval()
@@ -80,17 +80,10 @@ class Prewarm:
             self.seconds = time.perf_counter() - t0
 
     def _first_batch(self):
-        """The batch through the criterion and back, prepared as LSTrainer prepares it for the eager step."""
+        """The batch through the criterion and back, as the eager first update runs it."""
         from fairseq import utils
 
-        from ls_fairseq.fairseq_ext.criterion import COUNTED_ROWS_KEY
-        from ls_fairseq.fairseq_ext.sample_prep import SRC_PADDING_KEY
-
-        s = dict(self.sample)
-        net = dict(s["net_input"])
-        s["net_input"] = net
-        s[COUNTED_ROWS_KEY] = self.criterion.counted_rows(s["target"])
-        net[SRC_PADDING_KEY] = bool(net["src_tokens"].eq(self.pad).any())
+        s = self.sample
         if self.device.type == "cuda":
             s = utils.move_to_cuda(s, device=self.device)
         loss, _, _ = self.criterion(self.replica, s)

@@ -52,6 +52,18 @@ class SamplePrepMixin:
                 sample[COUNTED_ROWS_KEY] = rows.pin_memory()
         return super()._prepare_sample(sample, is_dummy)
 
+    def _host_marked(self, sample):
+        """A shallow copy of the host ``sample`` with what :meth:`_prepare_sample` finds on the host: the counted
+        target positions and whether the source has padding (``sample`` itself is not changed)."""
+        sample = dict(sample)
+        if isinstance(sample.get("net_input"), dict):
+            sample["net_input"] = dict(sample["net_input"])
+        rows = self._counted_rows(sample)
+        self._mark_source_padding(sample)
+        if rows is not None:
+            sample[COUNTED_ROWS_KEY] = rows
+        return sample
+
     def _counted_rows(self, sample):
         """The target positions ls_label_smoothed_cross_entropy counts, found on the host while the
         target is still there (on the GPU the dynamic size would make the forward wait for the device)."""

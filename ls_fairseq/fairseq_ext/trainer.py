@@ -247,16 +247,15 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
                 or graph_step.unsupported_reason(self) is not None:
             return
         try:
-            self._ls_prewarm = prewarm.Prewarm(self._model, self._criterion, sample, self.device,
-                                               pad=self.task.source_dictionary.pad())
+            self._ls_prewarm = prewarm.Prewarm(self._model, self._criterion, self._host_marked(sample), self.device)
         except Exception as e:  # noqa: BLE001 - the warm-up only
             logger.info("kernel warm-up before the first update not started (%s: %s)", type(e).__name__, e)
 
     def _ls_join_prewarm(self):
         """Wait for the kernels' warm-up (if one runs): the model runs on this thread from here."""
         warm = self.__dict__.get("_ls_prewarm")
-        if warm:
-            self._ls_prewarm = False
+        if warm is not None:
+            self._ls_prewarm = None  # (the key stays: no second warm-up)
             warm.join()
 
     # ------------------------------------------ everything that reads the exact state settles first
