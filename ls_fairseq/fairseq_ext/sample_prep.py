@@ -45,23 +45,25 @@ class SamplePrepMixin:
 
     def _prepare_sample(self, sample, is_dummy=False):
         if self.cuda and not self.pipeline_model_parallel and isinstance(sample, dict) and len(sample) > 0:
-            rows = self._counted_rows(sample)
-            self._mark_source_padding(sample)
-            sample = pin_sample(sample)
-            if rows is not None:
-                sample[COUNTED_ROWS_KEY] = rows.pin_memory()
+            self._mark_on_host(sample)
+            sample = pin_sample(sample)  # the counted rows too
         return super()._prepare_sample(sample, is_dummy)
 
-    def _host_marked(self, sample):
-        """A shallow copy of the host ``sample`` with what :meth:`_prepare_sample` finds on the host: the counted
-        target positions and whether the source has padding (``sample`` itself is not changed)."""
-        sample = dict(sample)
-        if isinstance(sample.get("net_input"), dict):
-            sample["net_input"] = dict(sample["net_input"])
+    def _mark_on_host(self, sample):
+        """Add to the host ``sample`` what is found there before it moves: the counted target positions and
+        whether the source has padding."""
         rows = self._counted_rows(sample)
         self._mark_source_padding(sample)
         if rows is not None:
             sample[COUNTED_ROWS_KEY] = rows
+
+    def _host_marked(self, sample):
+        """A shallow copy of the host ``sample``, marked as :meth:`_prepare_sample` marks it (``sample`` itself is
+        not changed)."""
+        sample = dict(sample)
+        if isinstance(sample.get("net_input"), dict):
+            sample["net_input"] = dict(sample["net_input"])
+        self._mark_on_host(sample)
         return sample
 
     def _counted_rows(self, sample):
