@@ -103,10 +103,3 @@ def peer_reduce() -> bool:
 def shard_p2p() -> bool:
     """Two GPUs: new weights written into both GPUs (off: the all-gather, the path for other GPU counts)."""
     return _get("LS_FAIRSEQ_SHARD_P2P", "1") != "0"
-
-
-# ------------------------------------------------------------ under measurement
-def fixed_gemm() -> bool:
-    """LS_FAIRSEQ_FIXED_GEMM=1: lightseq-train runs each class of product through one fixed cuBLASLt algorithm
-    (ls_fairseq/fairseq_ext/gemm_fixed.py)."""
-    return _on("LS_FAIRSEQ_FIXED_GEMM")

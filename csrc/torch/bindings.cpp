@@ -86,25 +86,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // autograd nodes and whole layers in C++ (autograd.cpp, layers.cpp)
   bind_nodes_and_layers(m, [](auto f) { return guarded(f); });
 
-  // fixed GEMM algorithms (gemm.cpp)
-  m.def("gemm_mm", guarded(&gemm_mm), "a b (+ bias), through the class's fixed cuBLASLt algorithm when fixed "
-        "algorithms are on and the operands fit (token: 0 when a's rows count tokens, 1 when the summed size does)",
-        py::arg("a"), py::arg("b"), py::arg("bias") = none, py::arg("token") = 0);
-  m.def("gemm_mm_into", guarded(&gemm_mm_into), "out = a b, or out += a b (add), as gemm_mm", py::arg("out"),
-        py::arg("a"), py::arg("b"), py::arg("add"), py::arg("token") = 0);
-  m.def("gemm_fixed_available", guarded(&gemm_fixed_available),
-        "whether this build and process have cuBLASLt for fixed GEMM algorithms");
-  m.def("gemm_fixed_enable", guarded(&gemm_fixed_enable),
-        "fixed GEMM algorithms on (a fresh table): each class of product runs cuBLASLt's first proposal at this "
-        "token count (pick k > 0: the fastest of its first k, timed there)", py::arg("ref_tokens"), py::arg("pick") = 0,
-        py::arg("any_reduction") = false);
-  m.def("gemm_fixed_disable", guarded(&gemm_fixed_disable), "fixed GEMM algorithms off: every product through ATen");
-  m.def("gemm_lt_candidate_ms", guarded(&gemm_lt_candidate_ms), "probe");
-  m.def("gemm_fixed_on", guarded(&gemm_fixed_on), "whether fixed GEMM algorithms are on");
-  m.def("gemm_fixed_report", guarded(&gemm_fixed_report),
-        "[on, reference tokens, classes, classes with an algorithm, shapes through cuBLASLt, shapes through ATen, "
-        "refusals]");
-
   // FP8 (fp8.cpp, fp8.cu)
   m.def("fp8_quantize", guarded(&fp8_quantize),
         "FP8 codes of a 2-d tensor under one row of an FP8 state: [row-major codes, transposed codes] (fp8.cpp)",

@@ -102,18 +102,6 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 std::vector<Tensor> ag_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
                                     int64_t num_heads);
 
-// gemm.cpp: the layers' products, each class of them through one fixed cuBLASLt algorithm when fixed algorithms are
-// on, else through the ATen call named. token: which size counts tokens (0: the rows of a; 1: the summed size).
-Tensor gemm_mm(const Tensor& a, const Tensor& b, const OptTensor& bias, int64_t token);  // at::mm / at::addmm
-void gemm_mm_into(const Tensor& out, const Tensor& a, const Tensor& b, bool add, int64_t token);  // addmm_ / mm_out
-bool gemm_fixed_available();
-void gemm_fixed_enable(int64_t ref_tokens, int64_t pick, bool any_reduction);
-void gemm_fixed_disable();
-bool gemm_fixed_on();
-std::vector<int64_t> gemm_fixed_report();
-double gemm_lt_candidate_ms(const Tensor& a, const Tensor& b, const OptTensor& bias, const Tensor& out, bool add,
-                            int64_t token, int64_t ref, int64_t i, bool any_reduction, int64_t reps);
-
 // weight_grads.cpp: weight gradients written into the places the CUDA-graph step names while it captures a
 // backward. set_weight_grad_sinks: parameter i's weight gradient goes into dests[i] (same shape and dtype,
 // contiguous), overwritten (accumulate false: an update's only micro-batch) or added to; take_weight_grad_sinks:

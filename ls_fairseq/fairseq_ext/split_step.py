@@ -66,7 +66,6 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
             return loss, nll, features.grad
         grad_out.copy_(features.grad)
         return loss, nll, grad_out
-    from ls_fairseq.fairseq_ext import gemm_fixed
     from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy_with_grad
     from ls_fairseq.ops.fp8 import fp8_head_forward, fp8_head_loss_backward, fp8_now
 
@@ -76,7 +75,7 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
     with torch.no_grad():
         x = features.reshape(-1, C).index_select(0, rows)
         if fp8 is None:
-            logits = gemm_fixed.mm(x, w.t())
+            logits = torch.mm(x, w.t())
         else:
             logits, saved = fp8_head_forward(x, w, fp8)
 
@@ -87,8 +86,8 @@ def head_step(model, criterion, features, rows, target_rows, optimizer, grad_out
                 loss, nll = label_smoothed_cross_entropy_with_grad(logits, target_rows, criterion.eps,
                                                                    criterion.padding_idx, scale)
                 # logits now hold d(scale * loss) / d logits
-                g.view(-1, C).index_add_(0, rows, gemm_fixed.mm(logits, w))
-                gemm_fixed.mm_into(w.grad, logits.t(), x, add=True, token=1)
+                g.view(-1, C).index_add_(0, rows, torch.mm(logits, w))
+                w.grad.addmm_(logits.t(), x)
             else:
                 dw_out = w.grad if first_writer and _writable(w.grad, logits.dtype) else None
                 loss, nll, dx, dw = fp8_head_loss_backward(logits, target_rows, criterion.eps, criterion.padding_idx,

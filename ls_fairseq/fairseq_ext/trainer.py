@@ -307,17 +307,6 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if env.fixed_gemm() and torch.cuda.is_available() and not self.cfg.common.cpu:
-            from ls_fairseq.fairseq_ext import gemm_fixed
-
-            import os
-
-            if gemm_fixed.enable(self.cfg.dataset.max_tokens or 4096, int(os.environ.get("LS_GEMM_PICK", "0")),
-                                 os.environ.get("LS_GEMM_ANY_RED", "0") == "1"):
-                logger.info("fixed GEMM algorithms: one cuBLASLt algorithm per class of product, chosen at %d tokens",
-                            self.cfg.dataset.max_tokens or 4096)
-            else:
-                logger.info("fixed GEMM algorithms: not available in this build (cuBLASLt not found); ATen's products")
         settle_heap()  # the imported modules and the model, never walked by the collector again (heap.py)
 
     def begin_epoch(self, epoch):
@@ -341,11 +330,6 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         graphs = self.__dict__.get("_ls_graphs")
         if graphs is not None:
             graphs.log_summary()
-        if env.fixed_gemm():
-            from ls_fairseq.fairseq_ext import gemm_fixed
-
-            if gemm_fixed.is_on():
-                logger.info("fixed GEMM algorithms: %s", gemm_fixed.describe())
         return super().lr_step(epoch, val_loss)
 
     def lr_step_update(self):
