@@ -3,7 +3,7 @@
 // linear layers). A Python torch.autograd.Function costs tens of microseconds of host time per call
 // (building its context in Python, and in the backward taking the GIL and calling Python); these
 // nodes do the same work without entering Python after the call. The numerics are those of the
-// adapters they call (layer_norm.cpp, dropout.cpp, heads.cpp) and of at::mm / at::addmm; the Python
+// adapters they call (layer_norm.cpp, dropout.cpp, heads.cpp) and of the products (gemm.cpp); the Python
 // Functions in ls_fairseq/ops stay for torch.compile, which traces them through the custom ops.
 //
 // Conventions: an optional tensor argument is a std::optional<Tensor>: when empty (or holding an undefined
@@ -35,7 +35,7 @@ inline int64_t dtype_code(const Tensor& t) { return static_cast<int64_t>(t.defin
 inline int64_t dtype_code(const OptTensor& t) { return dtype_code(or_undefined(t)); }
 // x2 [M, K] W^T (+ b): one GEMM, the bias added in its epilogue
 inline Tensor linear_rows(const Tensor& x2, const Tensor& weight, const OptTensor& bias) {
-  return present(bias) ? at::addmm(*bias, x2, weight.t()) : at::mm(x2, weight.t());
+  return gemm_mm(x2, weight.t(), bias, 0);
 }
 
 // The optional bias at argument 1 (the dropout nodes and the head split): whether it is there, and its dtype.
@@ -208,7 +208,7 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
       y2 = f[0], mask = f[1], aq_t = f[2], wq_t = f[3], sx = f[4], sw = f[5];
     } else {
       auto r = bias_act_dropout_fwd(xc, bias, activation, p);  // [a, mask]
-      y2 = at::mm(r[0].reshape({-1, x.size(-1)}), weight.t());
+      y2 = gemm_mm(r[0].reshape({-1, x.size(-1)}), weight.t(), std::nullopt, 0);
       mask = r[1];
     }
     auto sizes = x.sizes().vec();
@@ -259,7 +259,7 @@ struct BiasActLinearNode : public torch::autograd::Function<BiasActLinearNode> {
       Tensor a = bias_act_dropout_replay(xc, bias, mask, act, p);
       Tensor a2 = a.reshape({-1, xc.size(-1)});
       dw = need_dw ? weight_grad_mm(w, g2.t(), a2) : Tensor();  // undefined when written into its sink
-      Tensor da2 = at::mm(g2, w);
+      Tensor da2 = gemm_mm(g2, w, std::nullopt, 0);
       const bool relu = act == "relu";
       r = bias_act_dropout_bwd(at::_unsafe_view(da2, xc.sizes()), relu ? std::nullopt : OptTensor(xc), bias,
                                relu ? OptTensor(a) : std::nullopt, mask, p, act, need_db);
@@ -315,7 +315,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     if (ctx->needs_input_grad(0)) {
       auto sizes = g.sizes().vec();
       sizes.back() = w.size(1);
-      dx = at::_unsafe_view(at::mm(g2, w), sizes);
+      dx = at::_unsafe_view(gemm_mm(g2, w, std::nullopt, 0), sizes);
     }
     if (ctx->needs_input_grad(1)) dw = weight_grad_mm(w, g2.t(), x2);  // undefined when written into its sink
     if (ctx->saved_data["hb"].toBool() && ctx->needs_input_grad(2)) db = g2.sum(0);
@@ -352,7 +352,7 @@ struct LinearSplitNode : public torch::autograd::Function<LinearSplitNode> {
     auto r = split_heads_bwd(d, need_db);  // [B, T, N], the bias gradient
     Tensor g2 = r[0].view({-1, w.size(0)});
     Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = at::mm(g2, w).view(ctx->saved_data["x_sizes"].toIntVector());
+    if (ctx->needs_input_grad(0)) dx = gemm_mm(g2, w, std::nullopt, 0).view(ctx->saved_data["x_sizes"].toIntVector());
     if (ctx->needs_input_grad(1)) dw = weight_grad_mm(w, g2.t(), x2);  // undefined when written into its sink
     return {dx, dw, need_db ? r[1] : Tensor(), Tensor(), Tensor()};
   }

@@ -86,6 +86,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // autograd nodes and whole layers in C++ (autograd.cpp, layers.cpp)
   bind_nodes_and_layers(m, [](auto f) { return guarded(f); });
 
+  // the layers' products through cuBLASLt (gemm.cpp)
+  m.def("gemm_mm", guarded(&gemm_mm), "a b (+ bias), through cuBLASLt when on and the operands fit (token: 0 when "
+        "a's rows count tokens, 1 when the summed size does)", py::arg("a"), py::arg("b"), py::arg("bias") = none,
+        py::arg("token") = 0);
+  m.def("gemm_mm_into", guarded(&gemm_mm_into), "out = a b, or out += a b (add), as gemm_mm", py::arg("out"),
+        py::arg("a"), py::arg("b"), py::arg("add"), py::arg("token") = 0);
+  m.def("gemm_preload", guarded(&gemm_preload),
+        "every class seen at these token counts: plans made and each new kernel run once on scratch operands; "
+        "[shapes planned, products run, classes] (classes with a size equal to skip_size left out)",
+        py::arg("token_counts"), py::arg("skip_size") = 0);
+  m.def("gemm_lt_available", guarded(&gemm_lt_available), "whether this build and process have cuBLASLt");
+  m.def("gemm_lt_enable", guarded(&gemm_lt_enable), "the products through cuBLASLt");
+  m.def("gemm_lt_disable", guarded(&gemm_lt_disable), "the products through ATen");
+  m.def("gemm_lt_on", guarded(&gemm_lt_on), "whether the products go through cuBLASLt");
+  m.def("gemm_lt_report", guarded(&gemm_lt_report),
+        "[on, classes, shapes through cuBLASLt, shapes through ATen, kernels run, refusals, preload products, "
+        "preload ms]");
+
   // FP8 (fp8.cpp, fp8.cu)
   m.def("fp8_quantize", guarded(&fp8_quantize),
         "FP8 codes of a 2-d tensor under one row of an FP8 state: [row-major codes, transposed codes] (fp8.cpp)",

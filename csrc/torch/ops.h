@@ -102,6 +102,18 @@ Tensor ag_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias);
 std::vector<Tensor> ag_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
                                     int64_t num_heads);
 
+// gemm.cpp: the layers' products, through cuBLASLt (one algorithm per exact shape, its kernel loadable ahead by
+// gemm_preload) when on, else through the ATen call named. token: which size counts tokens (0: the rows of a; 1:
+// the summed size).
+Tensor gemm_mm(const Tensor& a, const Tensor& b, const OptTensor& bias, int64_t token);  // at::mm / at::addmm
+void gemm_mm_into(const Tensor& out, const Tensor& a, const Tensor& b, bool add, int64_t token);  // addmm_ / mm_out
+std::vector<int64_t> gemm_preload(const std::vector<int64_t>& token_counts, int64_t skip_size);
+bool gemm_lt_available();
+void gemm_lt_enable();
+void gemm_lt_disable();
+bool gemm_lt_on();
+std::vector<int64_t> gemm_lt_report();
+
 // weight_grads.cpp: weight gradients written into the places the CUDA-graph step names while it captures a
 // backward. set_weight_grad_sinks: parameter i's weight gradient goes into dests[i] (same shape and dtype,
 // contiguous), overwritten (accumulate false: an update's only micro-batch) or added to; take_weight_grad_sinks:

@@ -133,11 +133,8 @@ Tensor weight_grad_mm(const Tensor& w, const Tensor& a, const Tensor& b) {
   Tensor dest = a.scalar_type() == b.scalar_type()
                     ? weight_grad_sink(w.data_ptr(), a.size(0), b.size(1), a.scalar_type(), &add)
                     : Tensor();
-  if (!dest.defined()) return at::mm(a, b);
-  if (add)
-    dest.addmm_(a, b);
-  else
-    at::mm_out(dest, a, b);
+  if (!dest.defined()) return gemm_mm(a, b, std::nullopt, 1);
+  gemm_mm_into(dest, a, b, add, 1);
   return Tensor();
 }
 

@@ -55,8 +55,11 @@ class Prewarm:
     """Starts the helper thread (module docstring) on ``sample``, a fairseq translation batch on the host as
     LSTrainer marks it for the eager step (``SamplePrepMixin._host_marked``); :meth:`join` waits for it."""
 
-    def __init__(self, model, criterion, sample, device):
+    def __init__(self, model, criterion, sample, device, preload_tokens=None):
         self.replica = _cut_copy(model)
+        # token counts at which the products' kernels are loaded after the batch (gemm_lt.preload), or None
+        self.preload_tokens = list(preload_tokens) if preload_tokens else None
+        self.preloaded = None
         self.criterion, self.sample, self.device = criterion, sample, torch.device(device)
         self.error = None
         self.seconds = 0.0
@@ -71,6 +74,11 @@ class Prewarm:
             cuda = self.device.type == "cuda"
             with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
                 self._first_batch()
+                if cuda and self.preload_tokens:
+                    from ls_fairseq.fairseq_ext import gemm_lt
+
+                    vocab = self.replica.decoder.output_projection.weight.shape[0]
+                    self.preloaded = gemm_lt.preload(self.preload_tokens, skip_size=vocab)
                 if cuda:
                     torch.cuda.current_stream().synchronize()
         except Exception as e:  # noqa: BLE001 - the warm-up only: training goes on without it
@@ -101,4 +109,8 @@ class Prewarm:
             logger.info("kernel warm-up before the first update: the first batch through a one-layer copy of the "
                         "model in %.2f s beside the optimizer's setup (the first update waited %.2f s for it)",
                         self.seconds, waited)
+            if self.preloaded is not None:
+                logger.info("cuBLASLt kernels loaded before the first update: %d classes at %d token counts, %d shapes "
+                            "planned, %d products run", self.preloaded["classes"], len(self.preload_tokens),
+                            self.preloaded["shapes"], self.preloaded["runs"])
         return waited

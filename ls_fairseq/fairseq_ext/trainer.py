@@ -246,8 +246,16 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
                 or getattr(self.cfg.optimizer, "_name", None) != "ls_adam" \
                 or graph_step.unsupported_reason(self) is not None:
             return
+        preload = None
+        if env.lt_gemm() == "preload":
+            from ls_fairseq.fairseq_ext import gemm_lt
+
+            engine = self._graph_step()  # the bucket plan, made now rather than at the first update
+            if gemm_lt.is_on() and engine is not None and engine.buckets:
+                preload = gemm_lt.bucket_token_counts(engine.buckets)
         try:
-            self._ls_prewarm = prewarm.Prewarm(self._model, self._criterion, self._host_marked(sample), self.device)
+            self._ls_prewarm = prewarm.Prewarm(self._model, self._criterion, self._host_marked(sample), self.device,
+                                               preload_tokens=preload)
         except Exception as e:  # noqa: BLE001 - the warm-up only
             logger.info("kernel warm-up before the first update not started (%s: %s)", type(e).__name__, e)
 
@@ -307,6 +315,15 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if env.lt_gemm() and torch.cuda.is_available() and not self.cfg.common.cpu:
+            from ls_fairseq.fairseq_ext import gemm_lt
+
+            if gemm_lt.enable():
+                logger.info("the layers' products through cuBLASLt (%s)",
+                            "their planned kernels loaded before the first update" if env.lt_gemm() == "preload"
+                            else "no preloading")
+            else:
+                logger.info("cuBLASLt not available in this build; the layers' products through ATen")
         settle_heap()  # the imported modules and the model, never walked by the collector again (heap.py)
 
     def begin_epoch(self, epoch):
@@ -330,6 +347,11 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         graphs = self.__dict__.get("_ls_graphs")
         if graphs is not None:
             graphs.log_summary()
+        if env.lt_gemm():
+            from ls_fairseq.fairseq_ext import gemm_lt
+
+            if gemm_lt.is_on():
+                logger.info("cuBLASLt products: %s", gemm_lt.describe())
         return super().lr_step(epoch, val_loss)
 
     def lr_step_update(self):

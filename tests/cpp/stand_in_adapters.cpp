@@ -73,6 +73,16 @@ std::vector<Tensor> split_heads_bwd(const std::vector<OptTensor>& ds, bool need_
   Tensor db = need_dbias ? dx.reshape({-1, n * H * D}).sum(0) : at::empty({0}, ref.options());
   return {dx, db};
 }
+// The products as gemm.cpp runs them with cuBLASLt off (on the CPU it always is): the ATen calls.
+Tensor gemm_mm(const Tensor& a, const Tensor& b, const OptTensor& bias, int64_t token) {
+  return present(bias) ? at::addmm(*bias, a, b) : at::mm(a, b);
+}
+void gemm_mm_into(const Tensor& out, const Tensor& a, const Tensor& b, bool add, int64_t token) {
+  if (add)
+    const_cast<Tensor&>(out).addmm_(a, b);
+  else
+    at::mm_out(const_cast<Tensor&>(out), a, b);
+}
 // The FP8 linear node needs CUDA (csrc/torch/fp8.cpp): here only the plain linear node is reachable.
 Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8) {
   LS_CHECK(fp8.mode == 0, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
