@@ -378,7 +378,8 @@ void gemm_mm_into(const Tensor& out, const Tensor& a, const Tensor& b, bool add,
 }
 
 // For every class seen so far and every token count: the shape's plan, and one product on scratch operands for
-// each algorithm not run before (on the current device and stream, outside captures). Classes with a size equal to
+// each algorithm not run before (on the current device and stream, outside captures); a weight gradient's class
+// also in its other form (added to, or written). Classes with a size equal to
 // skip_size (the vocabulary: the head, whose products the graph step runs through ATen) are left out. Returns
 // [shapes planned, products run, classes].
 std::vector<int64_t> gemm_preload(const std::vector<int64_t>& token_counts, int64_t skip_size) {
@@ -393,6 +394,13 @@ std::vector<int64_t> gemm_preload(const std::vector<int64_t>& token_counts, int6
   {
     std::lock_guard<std::mutex> lock(t.mu);
     seen.assign(t.classes.begin(), t.classes.end());
+  }
+  // a weight gradient written is also added to (several micro-batches, or a weight used twice), and the reverse
+  for (size_t i = 0, n = seen.size(); i < n; ++i) {
+    if (seen[i].token != 1) continue;
+    Key other = seen[i];
+    other.add = !other.add;
+    if (std::find(seen.begin(), seen.end(), other) == seen.end()) seen.push_back(other);
   }
   const int device = c10::cuda::current_device();
   for (const Key& cls : seen) {
