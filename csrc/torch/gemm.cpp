@@ -98,7 +98,6 @@ struct LtApi {
   decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
-  decltype(&cublasLtMatmulAlgoCheck) check = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
 };
 
@@ -126,7 +125,6 @@ const LtApi& lt_api() {
     get(a.pref_destroy, "cublasLtMatmulPreferenceDestroy");
     get(a.pref_set, "cublasLtMatmulPreferenceSetAttribute");
     get(a.heuristic, "cublasLtMatmulAlgoGetHeuristic");
-    get(a.check, "cublasLtMatmulAlgoCheck");
     get(a.matmul, "cublasLtMatmul");
     a.ok = all;
     return a;
@@ -138,7 +136,7 @@ cudaDataType_t cuda_type(int8_t st) {
   return static_cast<at::ScalarType>(st) == at::kHalf ? CUDA_R_16F : CUDA_R_16BF;
 }
 
-// The bias pointer the heuristic and the check see: aligned to 16 bytes and no more, as a real bias may be (a null
+// The bias pointer the heuristic sees: aligned to 16 bytes and no more, as a real bias may be (a null
 // pointer would count as aligned to anything, and could let an algorithm through that refuses a real one).
 const void* const kBiasPlaceholder = reinterpret_cast<const void*>(uintptr_t(16));
 
@@ -148,6 +146,7 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool ran = false;  // run at least once (its kernel counted in Table::ran)
 };
 
 void release(const LtApi& api, Plan& p) {
@@ -312,9 +311,10 @@ bool launch(const LtApi& api, Table& t, const Key& key, Plan& p, const void* a, 
   const float one = 1.f, beta = key.add ? 1.f : 0.f;
   ok = ok && api.matmul(h, p.desc, &one, b, p.la, a, p.lb, &beta, out, p.lc, out, p.lc, &p.algo, ws, kWorkspace,
                         stream.stream()) == CUBLAS_STATUS_SUCCESS;
-  if (ok) {
+  if (ok && !p.ran) {
     t.ran.insert(kernel_of(key, p));
-  } else {  // this shape goes through ATen from now on
+    p.ran = true;
+  } else if (!ok) {  // this shape goes through ATen from now on
     ++t.refusals;
     release(api, p);
   }

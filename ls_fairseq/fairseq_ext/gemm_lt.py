@@ -14,8 +14,6 @@ Products that do not fit (fp32, strided or unaligned operands, sizes not multipl
 they do with cuBLASLt off (``csrc/torch/gemm.cpp``). The graph step's head stays on ATen's products.
 """
 
-import torch
-
 from ls_fairseq import _ext
 
 
