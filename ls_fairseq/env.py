@@ -9,8 +9,7 @@ None is needed to install, train or translate: the defaults are what was measure
 - user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY, LS_FAIRSEQ_SHARD_ADAM;
 - bug-report switches, each taking a part of lightseq-train back to the simpler path that is also its automatic
   fallback, to tell a problem in that part from the rest: LS_FAIRSEQ_PLAIN_TRAINER, LS_FAIRSEQ_SYNC_STEP,
-  LS_FAIRSEQ_FP16_OPTIMIZER, LS_FAIRSEQ_SYNC_ALL_REDUCE, LS_FAIRSEQ_PEER_REDUCE, LS_FAIRSEQ_SHARD_P2P;
-- under measurement, off by default: LS_FAIRSEQ_LT_GEMM.
+  LS_FAIRSEQ_FP16_OPTIMIZER, LS_FAIRSEQ_SYNC_ALL_REDUCE, LS_FAIRSEQ_PEER_REDUCE, LS_FAIRSEQ_SHARD_P2P.
 
 Each is read when it is needed (not at import), so a test or a launcher may set it late.
 """
@@ -104,13 +103,3 @@ def peer_reduce() -> bool:
 def shard_p2p() -> bool:
     """Two GPUs: new weights written into both GPUs (off: the all-gather, the path for other GPU counts)."""
     return _get("LS_FAIRSEQ_SHARD_P2P", "1") != "0"
-
-
-# ------------------------------------------------------------ under measurement
-def lt_gemm() -> str:
-    """LS_FAIRSEQ_LT_GEMM: "1" runs the layers' products through cuBLASLt, "preload" also loads the planned buckets'
-    kernels before the first update (ls_fairseq/fairseq_ext/gemm_lt.py); "" (default): ATen's products."""
-    value = _get("LS_FAIRSEQ_LT_GEMM")
-    if value not in ("", "0", "1", "preload"):
-        raise ValueError(f"LS_FAIRSEQ_LT_GEMM must be 0, 1 or preload, not {value!r}")
-    return "" if value == "0" else value

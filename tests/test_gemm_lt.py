@@ -1,10 +1,9 @@
 """The layers' products through cuBLASLt, on the CPU: nothing turns on without it, the token counts the preload
-takes from the bucket plan, and the switch (the GPU side is tests/gpu/test_gemm_lt_gpu.py)."""
+takes from the bucket plan (the GPU side is tests/gpu/test_gemm_lt_gpu.py)."""
 
 import pytest
 import torch
 
-from ls_fairseq import env
 from ls_fairseq.fairseq_ext import gemm_lt
 from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket
 from ls_fairseq.fairseq_ext.shape_buckets import Bucket
@@ -27,12 +26,3 @@ def test_bucket_token_counts():
               PackedBucket(sentences=20, src_rows=528, tgt_rows=1024, max_len=64)]
     assert gemm_lt.bucket_token_counts(packed) == [512, 528, 1024]
     assert gemm_lt.bucket_token_counts([]) == []
-
-
-def test_switch(monkeypatch):
-    for value, expected in (("", ""), ("0", ""), ("1", "1"), ("preload", "preload")):
-        monkeypatch.setenv("LS_FAIRSEQ_LT_GEMM", value)
-        assert env.lt_gemm() == expected
-    monkeypatch.setenv("LS_FAIRSEQ_LT_GEMM", "yes")
-    with pytest.raises(ValueError, match="LS_FAIRSEQ_LT_GEMM"):
-        env.lt_gemm()

@@ -235,29 +235,42 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
 
     def _ls_start_prewarm(self):
         """Start :class:`~ls_fairseq.fairseq_ext.prewarm.Prewarm` on the first batch, once per run, when this run
-        takes the CUDA-graph step with ls_adam."""
+        takes the CUDA-graph step with ls_adam; the layers' products through cuBLASLt with it, ATen's without."""
         if "_ls_prewarm" in self.__dict__:
             return
         self._ls_prewarm = None
         from ls_fairseq.fairseq_ext import graph_step, prewarm
 
-        sample = self.__dict__.get("_dummy_batch")
-        if not graph_step.OPTIONS["on"] or not self.cuda or not isinstance(sample, dict) or not sample \
+        from ls_fairseq.fairseq_ext import gemm_lt
+
+        if not graph_step.OPTIONS["on"] or not self.cuda \
                 or getattr(self.cfg.optimizer, "_name", None) != "ls_adam" \
                 or graph_step.unsupported_reason(self) is not None:
+            gemm_lt.disable()  # the eager step's products: ATen's (an earlier run in this process may have set it)
             return
-        preload = None
-        if env.lt_gemm() == "preload":
-            from ls_fairseq.fairseq_ext import gemm_lt
-
-            engine = self._graph_step()  # the bucket plan, made now rather than at the first update
-            if gemm_lt.is_on() and engine is not None and engine.buckets:
-                preload = gemm_lt.bucket_token_counts(engine.buckets)
+        preload = self._ls_lt_products()
+        sample = self.__dict__.get("_dummy_batch")
+        if not isinstance(sample, dict) or not sample:
+            return
         try:
             self._ls_prewarm = prewarm.Prewarm(self._model, self._criterion, self._host_marked(sample), self.device,
                                                preload_tokens=preload)
         except Exception as e:  # noqa: BLE001 - the warm-up only
             logger.info("kernel warm-up before the first update not started (%s: %s)", type(e).__name__, e)
+
+    def _ls_lt_products(self):
+        """With the CUDA-graph step, the layers' products run through cuBLASLt (gemm_lt.py): one kernel per exact
+        shape, known before it runs, so the warm-up loads those of the planned buckets and the captures of new
+        buckets do not wait for the queued updates. Returns the buckets' token counts to preload, or None."""
+        from ls_fairseq.fairseq_ext import gemm_lt
+
+        if not gemm_lt.enable():
+            logger.info("cuBLASLt not available in this build: the layers' products through ATen")
+            return None
+        engine = self._graph_step()  # the bucket plan, made now rather than at the first update
+        logger.info("the layers' products through cuBLASLt, the planned buckets' kernels loaded before the first "
+                    "update")
+        return gemm_lt.bucket_token_counts(engine.buckets) if engine is not None and engine.buckets else None
 
     def _ls_join_prewarm(self):
         """Wait for the kernels' warm-up (if one runs): the model runs on this thread from here."""
@@ -315,15 +328,6 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if env.lt_gemm() and torch.cuda.is_available() and not self.cfg.common.cpu:
-            from ls_fairseq.fairseq_ext import gemm_lt
-
-            if gemm_lt.enable():
-                logger.info("the layers' products through cuBLASLt (%s)",
-                            "their planned kernels loaded before the first update" if env.lt_gemm() == "preload"
-                            else "no preloading")
-            else:
-                logger.info("cuBLASLt not available in this build; the layers' products through ATen")
         settle_heap()  # the imported modules and the model, never walked by the collector again (heap.py)
 
     def begin_epoch(self, epoch):
@@ -347,7 +351,7 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         graphs = self.__dict__.get("_ls_graphs")
         if graphs is not None:
             graphs.log_summary()
-        if env.lt_gemm():
+        if self.cuda:
             from ls_fairseq.fairseq_ext import gemm_lt
 
             if gemm_lt.is_on():

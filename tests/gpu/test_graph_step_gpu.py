@@ -52,6 +52,12 @@ def test_graph_step_follows_the_eager_loss_curve(corpus, tmp_path, precision, sh
     # the first update's kernels were warmed up while the optimizer was built (prewarm.py), with the graphs only
     assert "kernel warm-up before the first update: the first batch" in out, out[-3000:]
     assert "kernel warm-up" not in eager_out
+    # the layers' products through cuBLASLt with the graphs (fp32 products through ATen), ATen's in the eager step
+    assert "cuBLASLt" not in eager_out
+    if not padded:
+        assert re.search(r"cuBLASLt kernels loaded before the first update: \d+ classes", out), out[-3000:]
+        used = re.findall(r"cuBLASLt products: \d+ classes, (\d+) shapes through cuBLASLt .*, (\d+) refused", out)
+        assert used and int(used[-1][0]) > 0 and used[-1][1] == "0", out[-3000:]
     n_graph, n_buckets = _graph_micro_batches(out)
     assert n_graph > 150 and 1 <= n_buckets <= 12, out[-3000:]
     assert ("packed buckets" in out) == (not padded) and ("shape buckets" in out) == padded, out[-3000:]
