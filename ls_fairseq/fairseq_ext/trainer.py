@@ -239,9 +239,7 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         if "_ls_prewarm" in self.__dict__:
             return
         self._ls_prewarm = None
-        from ls_fairseq.fairseq_ext import graph_step, prewarm
-
-        from ls_fairseq.fairseq_ext import gemm_lt
+        from ls_fairseq.fairseq_ext import gemm_lt, graph_step, prewarm
 
         if not graph_step.OPTIONS["on"] or not self.cuda \
                 or getattr(self.cfg.optimizer, "_name", None) != "ls_adam" \
@@ -267,9 +265,8 @@ class LSTrainer(DeferredStepMixin, PendingUpdateMixin, StepStatsMixin, SamplePre
         if not gemm_lt.enable():
             logger.info("cuBLASLt not available in this build: the layers' products through ATen")
             return None
+        logger.info("the layers' products through cuBLASLt (one algorithm per exact shape)")
         engine = self._graph_step()  # the bucket plan, made now rather than at the first update
-        logger.info("the layers' products through cuBLASLt, the planned buckets' kernels loaded before the first "
-                    "update")
         return gemm_lt.bucket_token_counts(engine.buckets) if engine is not None and engine.buckets else None
 
     def _ls_join_prewarm(self):
