@@ -1,4 +1,5 @@
-"""What the profiling scripts share: option parsing and a fairseq trainer built as lightseq-train builds it."""
+"""What the profiling scripts share: option parsing, a fairseq trainer built as lightseq-train builds it, and the
+busy time of a kernel timeline."""
 
 
 def pop_option(argv, name, default, cast):
@@ -44,3 +45,18 @@ def first_batches(trainer, n):
     """The first n batches of epoch 1 (shuffled as fairseq shuffles them)."""
     itr = trainer.get_train_iterator(epoch=1, load_dataset=False).next_epoch_itr(shuffle=True)
     return [b for _, b in zip(range(n), itr)]
+
+
+def covered_time(spans):
+    """Length of the union of (start, end) intervals: the time at least one of them was running."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total

@@ -60,7 +60,7 @@ def kernel_events(fn, iters=5):
 
 def kernel_time(fn, iters=5):
     """GPU time of one call: the summed duration of the kernels it runs, i.e. without the host-side launch
-    overhead that dominates ops of ~10 us."""
+    overhead that dominates short ops."""
     return sum(t for _, t in kernel_events(fn, iters))
 
 

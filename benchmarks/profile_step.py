@@ -15,8 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for ls_fairseq
 
-from _timeline import covered_time  # noqa: E402
-from _trainer_setup import build, first_batches, pop_flag, pop_option  # noqa: E402
+from _trainer_setup import build, covered_time, first_batches, pop_flag, pop_option  # noqa: E402
 
 
 def main():
