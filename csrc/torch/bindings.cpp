@@ -104,14 +104,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[on, classes, shapes through cuBLASLt, shapes through ATen, kernels run, refusals, preload products, "
         "preload ms]");
 
-  // FP8 (fp8.cpp, fp8.cu)
+  // FP8 (fp8.cpp, fp8_nodes.cpp, fp8.cu, fp8_fused.cu)
   m.def("fp8_quantize", guarded(&fp8_quantize),
         "FP8 codes of a 2-d tensor under one row of an FP8 state: [row-major codes, transposed codes] (fp8.cpp)",
         py::arg("x"), py::arg("state"), py::arg("row"), py::arg("format"), py::arg("current"), py::arg("rowwise") = true,
         py::arg("transposed") = false);
   m.def("ls_cross_entropy_fwd_bwd_fp8", guarded(&ls_cross_entropy_fwd_bwd_fp8),
         "the head's label-smoothed CE (loss, nll) with its gradient only as FP8 codes: [loss, nll, codes, "
-        "transposed codes] (fp8.cpp)", py::arg("logits"), py::arg("target"), py::arg("epsilon"),
+        "transposed codes] (cross_entropy.cpp)", py::arg("logits"), py::arg("target"), py::arg("epsilon"),
         py::arg("ignore_index"), py::arg("grad_scale"), py::arg("state"), py::arg("row"), py::arg("format"),
         py::arg("transposed"));
   m.def("fp8_linear_forward_codes", guarded(&fp8_linear_forward_codes),
@@ -129,31 +129,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "their codes (fp8.cpp)", py::arg("weights"), py::arg("state"), py::arg("rows"));
   m.def("fp8_forget_weights", guarded(&fp8_forget_weights),
         "drop the weights' codes no projection took; returns how many (fp8.cpp)");
-  m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8.cpp)", py::arg("x"),
-        py::arg("weight"), py::arg("bias") = none, py::arg("mode"), py::arg("state"), py::arg("slot"));
+  m.def("ag_fp8_linear", guarded(&ag_fp8_linear), "differentiable x W^T (+ b) as FP8 GEMMs (fp8_nodes.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("mode"), py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_linear_split", guarded(&ag_fp8_linear_split),
         "differentiable x W^T (+ b) split into n parts of heads [B, H, T, D], the projection in FP8, as one node "
-        "(fp8.cpp)", py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"),
+        "(fp8_nodes.cpp)", py::arg("x"), py::arg("weight"), py::arg("bias") = none, py::arg("n"), py::arg("num_heads"),
         py::arg("mode"), py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_linear_residual", guarded(&ag_fp8_linear_residual),
-        "differentiable residual + dropout(x W^T + b), the projection in FP8, as one node: [out, mask] (fp8.cpp)",
+        "differentiable residual + dropout(x W^T + b), the projection in FP8, as one node: [out, mask] (fp8_nodes.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("mode"),
         py::arg("state"), py::arg("slot"));
   m.def("ag_fp8_ffn", guarded(&ag_fp8_ffn),
         "differentiable residual + dropout(dropout(act(x W1^T + b1)) W2^T + b2), both projections in FP8 as one "
-        "node: [out, activation mask, output mask] (fp8.cpp)",
+        "node: [out, activation mask, output mask] (fp8_nodes.cpp)",
         py::arg("x"), py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"), py::arg("residual"),
         py::arg("activation"), py::arg("p"), py::arg("p_out"), py::arg("mode"), py::arg("state"), py::arg("slot1"),
         py::arg("slot2"), py::arg("keep_codes") = true);
   m.def("ag_fp8_ln_linear_split", guarded(&ag_fp8_ln_linear_split),
         "ag_fp8_linear_split of layer_norm(x), the layer norm written only as the projection's input codes: the "
-        "parts, then x (fp8.cpp)",
+        "parts, then x (fp8_nodes.cpp)",
         py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("weight"),
         py::arg("bias") = none, py::arg("n"), py::arg("num_heads"), py::arg("mode"), py::arg("state"),
         py::arg("slot"));
   m.def("ag_fp8_ln_ffn", guarded(&ag_fp8_ln_ffn),
         "ag_fp8_ffn of layer_norm(x) with x as the residual, the layer norm written only as the first projection's "
-        "input codes (fp8.cpp)",
+        "input codes (fp8_nodes.cpp)",
         py::arg("x"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("w1"), py::arg("b1"),
         py::arg("w2"), py::arg("b2"), py::arg("activation"), py::arg("p"), py::arg("p_out"), py::arg("mode"),
         py::arg("state"), py::arg("slot1"), py::arg("slot2"), py::arg("keep_codes") = true);

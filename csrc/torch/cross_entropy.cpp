@@ -1,7 +1,9 @@
-// ATen adapter: label-smoothed cross-entropy forward (sums) and backward, and both in one pass.
+// ATen adapter: label-smoothed cross-entropy forward (sums) and backward, and both in one pass; the same pass with
+// the gradient left only as FP8 codes (the FP8 vocabulary projection).
 #include <torch/csrc/autograd/variable.h>
 
 #include "torch/adapter.h"
+#include "torch/fp8.h"
 #include "torch/ops.h"
 
 namespace ls_torch {
@@ -91,6 +93,47 @@ std::vector<Tensor> ls_cross_entropy_fwd_bwd(const Tensor& logits, const Tensor&
   torch::autograd::impl::bump_version(logits);
   Tensor sums = N > 0 ? losses.sum(1) : at::zeros({2}, f32);
   return {sums[0].clone(), sums[1].clone()};
+}
+
+using namespace fp8_impl;
+
+// The loss and nll sums of the head as ls_cross_entropy_fwd_bwd computes them, and the gradient of
+// grad_scale * loss sum only as FP8 codes in `format`: exactly the codes fp8_quantize would make of the gradient
+// that ls_cross_entropy_fwd_bwd writes, under the delayed scale of state row `row` (whose amax records the
+// gradient's maximum). A pass per row makes the loss's statistics and a tile pass over the logits the codes: the
+// row-major codes [N, V] and, when `transposed`, the transposed codes [V, padded16(N)] (what the weight-gradient
+// GEMM reads). The logits are left as they are: the gradient is never stored in their precision. V a multiple of
+// 16.
+std::vector<Tensor> ls_cross_entropy_fwd_bwd_fp8(const Tensor& logits, const Tensor& target, double epsilon,
+                                                 int64_t ignore_index, const OptTensor& grad_scale,
+                                                 const Tensor& state, int64_t row, int64_t format, bool transposed) {
+  const char* op = "ls_cross_entropy_fwd_bwd_fp8";
+  check_ce(op, logits, target);
+  LS_CHECK(epsilon >= 0.0 && epsilon < 1.0, op, ": label smoothing must be in [0, 1), got ", epsilon);
+  LS_CHECK(logits.size(1) % 16 == 0, op, ": the vocabulary (", logits.size(1),
+           ") must be a multiple of 16 for FP8 codes");
+  LS_CHECK(row >= 0, op, ": row must be >= 0, got ", row);
+  check_state(op, state, row + 1, logits);
+  check_grad_scale(op, grad_scale, logits);
+  const ls::Fp8Format fmt = to_format(op, format);
+  const ls::DType dt = to_dtype(op, logits);
+  Tensor x = aligned(logits);
+  const int64_t N = x.size(0), V = x.size(1), Mp = padded16(N);
+  Tensor q, q_t;
+  std::tie(q, q_t) = empty_codes(x, N, V, fmt, true, transposed);
+  Tensor losses = at::empty({2, N}, x.options().dtype(at::kFloat));
+  Tensor lse = at::empty({N}, x.options().dtype(at::kFloat));
+  float* fp8_row = state.data_ptr<float>() + row * ls::kFp8Width;
+  c10::cuda::CUDAGuard guard(x.device());
+  launch(op, [&] {
+    ls::ls_cross_entropy_fwd_bwd_fp8(dt, x.data_ptr(), target.data_ptr<int64_t>(), losses.data_ptr<float>(),
+                                     present(grad_scale) ? grad_scale->data_ptr<float>() : nullptr, N,
+                                     checked_int(op, "vocab", V), (float)epsilon, ignore_index,
+                                     lse.data_ptr<float>(), fp8_row, fmt, q.data_ptr(),
+                                     transposed ? q_t.data_ptr() : nullptr, Mp, stream());
+  });
+  Tensor sums = N > 0 ? losses.sum(1) : at::zeros({2}, losses.options());
+  return {sums[0].clone(), sums[1].clone(), q, q_t};
 }
 
 }  // namespace ls_torch

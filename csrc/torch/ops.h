@@ -172,7 +172,8 @@ Tensor decoder_layer_fwd(const Tensor& x, const Tensor& cross_k, const Tensor& c
                          int64_t memory, const OptTensor& cu_tgt, int64_t max_tgt, const OptTensor& cu_src,
                          int64_t max_src);
 
-// fp8.cpp: FP8 linear layers with delayed per-tensor scaling (the state and mode are described there).
+// fp8.cpp (adapters) and fp8_nodes.cpp (autograd nodes): FP8 linear layers with delayed per-tensor scaling (the
+// state and mode are described in fp8.cpp).
 struct Fp8Args {
   // 0 off; 1 + gradient format (+ 2: current scaling). A layer's mode also has bit kFp8SkipShift + k set for
   // each of its projections k that stays in the model's precision.
@@ -203,7 +204,7 @@ std::vector<Tensor> fp8_backward_gemms(const Tensor& gq, const OptTensor& gq_t, 
                                        const Tensor& wq_t, const Tensor& sx, const Tensor& sw, at::ScalarType dtype,
                                        const OptTensor& dw_out);
 // The head's loss with an FP8 vocabulary projection: ls_cross_entropy_fwd_bwd whose gradient leaves only as FP8
-// codes under the delayed scale of one state row (fp8.cpp) -> (loss sum, nll sum, codes, transposed codes)
+// codes under the delayed scale of one state row (cross_entropy.cpp) -> (loss sum, nll sum, codes, transposed codes)
 std::vector<Tensor> ls_cross_entropy_fwd_bwd_fp8(const Tensor& logits, const Tensor& target, double epsilon,
                                                  int64_t ignore_index, const OptTensor& grad_scale,
                                                  const Tensor& state, int64_t row, int64_t format, bool transposed);
@@ -242,7 +243,7 @@ std::vector<Tensor> ag_bias_act_linear(const Tensor& x, const OptTensor& bias, c
 // -> [out, activation mask, output mask], both projections in FP8 (mode as in ag_fp8_linear; slots slot1 and slot2
 // of the state); the activation leaves the forward only as codes (keep_codes: kept for the weight gradient, else
 // made again in the backward, --ls-recompute-activation) and the gradients reaching the projections' outputs leave
-// the dropout's and the activation's backward only as codes (fp8.cpp).
+// the dropout's and the activation's backward only as codes (fp8_nodes.cpp).
 std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
                                const OptTensor& b2, const Tensor& residual, const std::string& activation, double p,
                                double p_out, int64_t mode, const OptTensor& state, int64_t slot1, int64_t slot2,
@@ -250,13 +251,13 @@ std::vector<Tensor> ag_fp8_ffn(const Tensor& x, const Tensor& w1, const OptTenso
 
 // An attention block's output projection and residual dropout as one FP8 node: residual + dropout_p(x W^T + b) ->
 // [out, mask] (mode, state and slot as in ag_fp8_linear); the output gradient reaching the projection leaves the
-// dropout's backward only as codes (fp8.cpp).
+// dropout's backward only as codes (fp8_nodes.cpp).
 std::vector<Tensor> ag_fp8_linear_residual(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                            const Tensor& residual, double p, int64_t mode, const OptTensor& state,
                                            int64_t slot);
 
 // The attention's input projection and head split as one FP8 node: x [B, T, C] W^T (+ bias) -> n parts [B, H, T, D]
-// (as ag_split_heads makes them); the output gradient is quantised straight from the heads' gradients (fp8.cpp).
+// (as ag_split_heads makes them); the output gradient is quantised straight from the heads' gradients (fp8_nodes.cpp).
 std::vector<Tensor> ag_fp8_linear_split(const Tensor& x, const Tensor& weight, const OptTensor& bias, int64_t n,
                                         int64_t num_heads, int64_t mode, const OptTensor& state, int64_t slot);
 

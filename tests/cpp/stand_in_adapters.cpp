@@ -83,7 +83,7 @@ void gemm_mm_into(const Tensor& out, const Tensor& a, const Tensor& b, bool add,
   else
     at::mm_out(const_cast<Tensor&>(out), a, b);
 }
-// The FP8 linear node needs CUDA (csrc/torch/fp8.cpp): here only the plain linear node is reachable.
+// The FP8 linear node needs CUDA (csrc/torch/fp8_nodes.cpp): here only the plain linear node is reachable.
 Tensor ag_linear_mode(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Fp8Args& fp8) {
   LS_CHECK(fp8.mode == 0, "linear: FP8 needs a CUDA GPU with FP8 tensor cores");
   return ag_linear(x, weight, bias);
