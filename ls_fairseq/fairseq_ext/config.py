@@ -4,8 +4,13 @@ import math
 
 import torch
 
+from ls_fairseq.fairseq_ext.data_checks import InputError
 from ls_fairseq.modules.positional import build_positions
 from ls_fairseq.ops._checks import ACTIVATIONS, check_dropout
+
+
+class OptionError(InputError):
+    """An option (a flag, or an argument of a fairseq call) ls_transformer cannot honour: the message names it."""
 
 
 def activation_dropout_of(cfg):
@@ -78,7 +83,7 @@ def check_supported(cfg):
         except ValueError as e:
             problems.append(str(e))
     if problems:
-        raise ValueError("ls_transformer: " + "; ".join(problems))
+        raise OptionError("ls_transformer: " + "; ".join(problems))
 
 
 def setup_embeddings(module, cfg, embed_tokens, side: str):

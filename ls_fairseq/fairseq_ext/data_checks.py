@@ -10,9 +10,35 @@ second for WMT14) and name the file and the problem.
 import glob
 import os
 import re
+import sys
 from typing import List
 
 import numpy as np
+
+
+class InputError(ValueError):
+    """Bad input the user can fix (a flag, a file, a line of data): the message names it and says what is
+    wrong. Under :func:`install_error_hook` an uncaught one ends the command with that one line."""
+
+
+def _one_line_hook(previous):
+    def hook(exc_type, exc, tb):
+        if isinstance(exc, InputError):
+            prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "fairseq"
+            sys.stderr.write(f"{prog}: error: {exc}\n")
+            sys.stderr.flush()
+            return
+        previous(exc_type, exc, tb)
+
+    hook.ls_one_line = True
+    return hook
+
+
+def install_error_hook() -> None:
+    """Print an uncaught :class:`InputError` as one line ("<command>: error: <message>") instead of a
+    traceback; the process still exits with status 1. Other exceptions keep the previous hook. Idempotent."""
+    if not getattr(sys.excepthook, "ls_one_line", False):
+        sys.excepthook = _one_line_hook(sys.excepthook)
 
 
 def _dict_size(path: str) -> int:

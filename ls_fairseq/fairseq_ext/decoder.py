@@ -15,7 +15,7 @@ from fairseq.models import FairseqIncrementalDecoder
 
 from ls_fairseq import ops
 from ls_fairseq.fairseq_ext import weights
-from ls_fairseq.fairseq_ext.config import activation_dropout_of, setup_embeddings
+from ls_fairseq.fairseq_ext.config import OptionError, activation_dropout_of, setup_embeddings
 from ls_fairseq.fairseq_ext.packing import cross_varlen
 from ls_fairseq.modules.decoder_layer import BatchedCrossKV, DecoderLayer
 from ls_fairseq.modules.layer_norm import LayerNorm
@@ -50,6 +50,10 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         # padding mask (nor a host-side test for padding) is needed. None = test each batch.
         self.right_padded_targets = None
         self.recompute_logits = False  # --ls-recompute-logits: the criterion projects and scores in blocks
+        # fairseq's need_attn (prepare_for_inference_ with --print-alignment): return the alignment layer's
+        # cross-attention weights in evaluation; otherwise they are computed only when a caller names
+        # alignment_layer / alignment_heads / full_context_alignment (docs/interface.md)
+        self.need_attn = False
         self.share_input_output_embed = cfg.share_decoder_input_output_embed
         self.output_projection = nn.Linear(C, len(dictionary), bias=False)
         if self.share_input_output_embed:
@@ -85,9 +89,13 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             if logit_rows.shape != packed["rows"].shape:
                 raise ValueError(f"logit_rows {tuple(logit_rows.shape)} and the packing's rows "
                                  f"{tuple(packed['rows'].shape)} differ: the packing is of another batch")
+            if full_context_alignment or alignment_layer is not None or alignment_heads is not None:
+                raise ValueError("ls_transformer: alignments (alignment_layer, alignment_heads, "
+                                 "full_context_alignment) are not computed over a packed batch")
             x, extra = self.extract_packed_features(packed, encoder_out, return_all_hiddens)
             return (x if features_only else self.output_layer(x)), extra
-        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, rows=logit_rows)
+        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, full_context_alignment,
+                                         alignment_layer, alignment_heads, rows=logit_rows)
         if not features_only:
             x = self.output_layer(x)
         return x, extra
@@ -116,9 +124,37 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
             state["cross_kv"] = kv
         return kv
 
-    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, rows=None, **unused):
+    def make_generation_fast_(self, need_attn: bool = False, retain_dropout: bool = False, **kwargs):
+        """fairseq's inference preparation (prepare_for_inference_): ``need_attn`` (--print-alignment) makes
+        evaluation return the alignment layer's attention weights; --retain-dropout is refused."""
+        if retain_dropout:
+            raise OptionError("ls_transformer: --retain-dropout (dropout at inference) is not supported: its fused "
+                              "layers apply dropout only in training mode")
+        self.need_attn = bool(need_attn)
+
+    def _alignment_layer(self, full_context_alignment, alignment_layer, alignment_heads):
+        """The layer whose cross-attention weights the call returns (fairseq's default: the last), or -1 when
+        none is asked for: then no weights are formed."""
+        if alignment_layer is None and alignment_heads is None and not full_context_alignment:
+            return self.num_layers - 1 if self.need_attn and not self.training else -1
+        if alignment_heads is not None and int(alignment_heads) < 1:
+            raise OptionError(f"ls_transformer: alignment_heads must be >= 1, got {alignment_heads}")
+        if alignment_layer is None:
+            return self.num_layers - 1
+        if not 0 <= int(alignment_layer) < self.num_layers:
+            raise OptionError(f"ls_transformer: alignment_layer {alignment_layer} is out of range: the decoder has "
+                              f"{self.num_layers} layers (0 to {self.num_layers - 1})")
+        return int(alignment_layer)
+
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
+                         full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
+                         alignment_heads: Optional[int] = None, rows=None, **unused):
         """Features [B, T, C]; with ``rows`` (int64 indices into the B * T positions) [N, C] of those rows only,
-        selected before the final layer norm (row-wise, so the same values), which then keeps only them."""
+        selected before the final layer norm (row-wise, so the same values), which then keeps only them.
+        The extra output's "attn" holds, as fairseq's decoder does, the alignment layer's cross-attention
+        weights averaged over the first ``alignment_heads`` heads ([B, T, S]), when asked for (see
+        :meth:`_alignment_layer`; None otherwise); ``full_context_alignment``: no causal mask (not incremental)."""
+        attn_layer = self._alignment_layer(full_context_alignment, alignment_layer, alignment_heads)
         if encoder_out is None or len(encoder_out["encoder_out"]) == 0:
             raise ValueError("ls_transformer's decoder needs the encoder output")
         T = prev_output_tokens.shape[1]
@@ -137,7 +173,11 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
 
         x = self._embed(prev_output_tokens, incremental)  # [B, T or 1, C]
         self_pad = None
-        if not incremental and not self.right_padded_targets:
+        causal = incremental or not full_context_alignment
+        if not causal:  # every key visible: padding must be masked (as fairseq does)
+            pad = prev_output_tokens.eq(self.padding_idx)
+            self_pad = pad if bool(pad.any()) else None
+        elif not incremental and not self.right_padded_targets:
             pad = prev_output_tokens.eq(self.padding_idx)
             # With right padding the causal mask already hides every pad key from every real
             # query, so the explicit mask (which rules out the fastest attention kernels) is
@@ -146,7 +186,9 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
                 self_pad = pad
         enc_pad = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
         kv = self._cross_kv(encoder_out, state)
-        return self._layers(x, kv, enc_pad, self_pad, state, None, rows, True)
+        if attn_layer < 0 and causal:
+            return self._layers(x, kv, enc_pad, self_pad, state, None, rows, True)
+        return self._layers_with_attn(x, kv, enc_pad, self_pad, state, rows, attn_layer, alignment_heads, causal)
 
     def extract_packed_features(self, packed, encoder_out, return_all_hiddens: bool = False, every_row: bool = False):
         """Features [R, C] of the packing's counted rows, over the packed batch (the encoder's output packed
@@ -180,6 +222,26 @@ class LSTransformerDecoder(FairseqIncrementalDecoder):
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         return x, {"attn": [None], "inner_states": inner_states}
+
+    def _layers_with_attn(self, x, kv, enc_pad, self_pad, state, rows, attn_layer: int, heads, causal: bool):
+        """:meth:`_layers` through each layer's forward_with_attn, for alignments: layer ``attn_layer``'s
+        cross-attention weights averaged over its first ``heads`` heads (all with None) as "attn"."""
+        inner_states: List[Optional[torch.Tensor]] = [x.transpose(0, 1)]
+        attn = None
+        for i, layer in enumerate(self.layers):
+            cache = state["layers"][i] if state is not None else None
+            x, probs = layer.forward_with_attn(x, kv[2 * i], kv[2 * i + 1], enc_pad, self_pad, cache, causal,
+                                               i == attn_layer)
+            if probs is not None:
+                attn = (probs if heads is None else probs[:, :int(heads)]).mean(dim=1).to(x.dtype)
+            inner_states.append(x.transpose(0, 1))
+        if self.training and self.fp8_state is not None:
+            self.fp8_state.end_body()
+        if rows is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return x, {"attn": [attn], "inner_states": inner_states}
 
     def output_layer(self, features):
         # under --fp8 (training only) the vocabulary projection's slot in the FP8 state, else None

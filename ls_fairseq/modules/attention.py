@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
+from ls_fairseq.ops.attention import attention_probs
 from ls_fairseq.ops.fp8 import fp8_now
 
 
@@ -69,17 +70,20 @@ class SelfAttention(nn.Module):
         """
         return ops.linear(self.attend(x, key_padding_mask, cache, varlen), self.out_proj.weight, fp8=fp8_now(self, 1))
 
-    def attend(self, x, key_padding_mask=None, cache: Optional[Dict[str, torch.Tensor]] = None, varlen=None):
+    def attend(self, x, key_padding_mask=None, cache: Optional[Dict[str, torch.Tensor]] = None, varlen=None,
+               causal: Optional[bool] = None):
         """The heads' outputs merged, [B, T, C]: what out_proj projects (the layers project it together with the
-        block's residual dropout, ops.linear_dropout_residual)."""
+        block's residual dropout, ops.linear_dropout_residual). ``causal``: overrides the module's own mask
+        (fairseq's full_context_alignment attends without it)."""
         q, k, v = ops.linear_split(x, self.in_proj_weight, self.in_proj_bias, 3, self.num_heads, fp8_now(self, 0))
         if cache is not None:
             if "prev_key" in cache:
                 k = torch.cat([cache["prev_key"], k], dim=2)
                 v = torch.cat([cache["prev_value"], v], dim=2)
             cache["prev_key"], cache["prev_value"] = k, v
-        out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=self.causal,
-                            p=self.attention_dropout, training=self.training, varlen=varlen)
+        causal = self.causal if causal is None else causal
+        out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, p=self.attention_dropout,
+                            training=self.training, varlen=varlen)
         return ops.merge_heads(out)
 
 
@@ -109,3 +113,11 @@ class CrossAttention(nn.Module):
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
                             p=self.attention_dropout, training=self.training, varlen=varlen)
         return ops.merge_heads(out)
+
+    def attend_with_probs(self, x, k, v, key_padding_mask=None):
+        """:meth:`attend` (the same output, the same op) and the attention weights [B, H, T, S] in fp32, for
+        alignments: computed apart from the fused attention, which never forms them."""
+        q, = ops.linear_split(x, self.q_proj.weight, self.q_proj.bias, 1, self.num_heads, fp8_now(self, 0))
+        out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=False,
+                            p=self.attention_dropout, training=self.training)
+        return ops.merge_heads(out), attention_probs(q, k, key_padding_mask)

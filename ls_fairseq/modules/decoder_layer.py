@@ -79,6 +79,29 @@ class DecoderLayer(EncoderLayer):
             x = self.encoder_attn_layer_norm(x)
         return self.ffn(x)
 
+    def forward_with_attn(self, x, cross_k, cross_v, encoder_padding_mask=None, self_attn_padding_mask=None,
+                          cache: Optional[Dict[str, torch.Tensor]] = None, causal: bool = True,
+                          need_attn: bool = True):
+        """:meth:`forward` through the Python ops, returning (x, the cross-attention weights [B, H, T, S] in
+        fp32 with ``need_attn``, else None); ``causal=False``: self-attention without the causal mask
+        (fairseq's full_context_alignment). For alignments only: training and decoding take :meth:`forward`."""
+        h, residual = self.self_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
+        x = self.attention_end(self.self_attn, self.self_attn.attend(h, self_attn_padding_mask, cache, causal=causal),
+                               residual)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        h, residual = self.encoder_attn_layer_norm.with_input(x) if self.normalize_before else (x, x)
+        probs = None
+        if need_attn:
+            h, probs = self.encoder_attn.attend_with_probs(h, cross_k, cross_v, encoder_padding_mask)
+        else:
+            h = self.encoder_attn.attend(h, cross_k, cross_v, encoder_padding_mask)
+        x = self.attention_end(self.encoder_attn, h, residual)
+        if not self.normalize_before:
+            x = self.encoder_attn_layer_norm(x)
+        return self.ffn(x), probs
+
     def cpp_weights(self):
         e = self.encoder_attn
         return super().cpp_weights() + [self.encoder_attn_layer_norm.weight, self.encoder_attn_layer_norm.bias,

@@ -3,6 +3,7 @@
 qkv_split: [B, T, 3C] (+ bias [3C]) -> q, k, v each [B, H, T, C/H]
 kv_split:  [B, S, 2C] slice (+ bias [2C]) -> k, v each [B, H, S, C/H]
 merge_heads: [B, H, T, D] -> [B, T, H*D]
+attention_probs: the attention weights themselves (for alignments; the attention below never forms them)
 attention: softmax(q k^T / sqrt(D) + masks) v: on CUDA in fp16 / bf16 with both lengths <= 128 through the
            kernel of csrc/kernels/attention.cu (padded or packed), otherwise through PyTorch's kernels;
            key_padding_mask [B, S] bool (True = padding), optional causal mask; or, with ``varlen``,
@@ -93,6 +94,17 @@ def _attn_mask(q, k, key_padding_mask, causal):
         c = torch.ones(Tq, S, dtype=torch.bool, device=q.device).tril(diagonal=S - Tq)
         mask = c if mask is None else (mask & c)
     return mask
+
+
+def attention_probs(q, k, key_padding_mask=None, causal: bool = False):
+    """The attention weights softmax(q k^T / sqrt(D) + masks) in fp32, [B, H, Tq, S], as fairseq's
+    MultiheadAttention returns them (before dropout): for alignments only. Plain PyTorch, apart from
+    :func:`attention`, which never materialises them."""
+    scores = torch.matmul(up(q) * q.shape[-1] ** -0.5, up(k).transpose(-1, -2)).float()
+    mask = _attn_mask(q, k, key_padding_mask, causal)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
 class Varlen(NamedTuple):
