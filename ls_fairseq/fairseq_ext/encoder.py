@@ -8,13 +8,14 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fairseq.models import FairseqEncoder
 
 from ls_fairseq import ops
 from ls_fairseq.fairseq_ext import weights
-from ls_fairseq.fairseq_ext.config import activation_dropout_of, setup_embeddings
+from ls_fairseq.fairseq_ext.config import OptionError, activation_dropout_of, setup_embeddings
 from ls_fairseq.fairseq_ext.fp8_mode import check_fp8_device
 from ls_fairseq.fairseq_ext.packing import self_varlen
 from ls_fairseq.modules.encoder_layer import EncoderLayer
@@ -44,9 +45,21 @@ class LSTransformerEncoder(FairseqEncoder):
             return self.max_source_positions
         return min(self.max_source_positions, self.embed_positions.max_positions)
 
-    def forward_embedding(self, src_tokens, positions=None):
-        """Token and position embeddings [B, T, C]; ``positions`` (optional): fairseq's position numbers of
-        the tokens (a packed batch's, whose padding is gone)."""
+    def forward_embedding(self, src_tokens, token_embedding: Optional[torch.Tensor] = None):
+        """fairseq's: (the embedding with positions and dropout [B, T, C], pads not zeroed; the scaled token
+        embedding [B, T, C]) in plain PyTorch, with ``token_embedding`` (precomputed [B, T, C]) in place of
+        the lookup. The forward itself takes the fused embedding (:meth:`_embed`)."""
+        if token_embedding is None:
+            token_embedding = self.embed_tokens(src_tokens)
+        x = embed = self.embed_scale * token_embedding
+        if self.embed_positions is not None:
+            table = self.embed_positions.weight_as(x.dtype, x.device)
+            x = embed + F.embedding(make_positions(src_tokens, self.padding_idx), table, self.padding_idx)
+        return F.dropout(x, self.dropout, self.training), embed
+
+    def _embed(self, src_tokens, positions=None):
+        """Token and position embeddings [B, T, C], pads zeroed; ``positions`` (optional): fairseq's position
+        numbers of the tokens (a packed batch's, whose padding is gone)."""
         pos = None
         if self.embed_positions is not None:
             if positions is None:
@@ -66,8 +79,10 @@ class LSTransformerEncoder(FairseqEncoder):
         does); without it the encoder tests the tokens on the GPU, which makes the host wait.
         ``packed`` (:mod:`ls_fairseq.fairseq_ext.packing`): run over the batch's real tokens only; the
         output is then packed too ("encoder_out" [tokens, 1, C], no padding mask)."""
-        if token_embeddings is not None:
-            raise ValueError("ls_transformer does not accept precomputed token_embeddings")
+        if token_embeddings is not None and (packed is not None or token_embeddings.shape[:2] != src_tokens.shape):
+            raise OptionError(f"ls_transformer: token_embeddings must be [batch, length, dim] of src_tokens "
+                              f"{tuple(src_tokens.shape)} (and not with a packed batch), got "
+                              f"{tuple(token_embeddings.shape)}")
         if self.training and self.fp8_state is not None:  # a training forward begins: the FP8 scales for it
             if not self.fp8_checked:
                 check_fp8_device(self.embed_tokens.weight)
@@ -88,19 +103,23 @@ class LSTransformerEncoder(FairseqEncoder):
         # (an empty "encoder_padding_mask" list means: no padding).
         has_pads = bool(padding_mask.any()) if src_has_padding is None else bool(src_has_padding)
         key_padding_mask = padding_mask if has_pads else None
-        x = self.forward_embedding(src_tokens)  # [B, T, C], pads zeroed
+        if token_embeddings is None:
+            x = self._embed(src_tokens)  # [B, T, C], pads zeroed
+        else:  # fairseq's precomputed embeddings: the plain PyTorch embedding, pads zeroed as fairseq does
+            x = self.forward_embedding(src_tokens, token_embeddings)[0]
+            x = x.masked_fill(padding_mask.unsqueeze(-1), 0.0) if has_pads else x
         x, states = self._layers(x, key_padding_mask, None, return_all_hiddens)
         return _output(x, [padding_mask] if has_pads else [], states, src_lengths)
 
     def _forward_packed(self, packed, src_lengths, return_all_hiddens: bool):
-        x = self.forward_embedding(packed["src_tokens"], packed["src_positions"])  # [1, N, C]
+        x = self._embed(packed["src_tokens"], packed["src_positions"])  # [1, N, C]
         x, states = self._layers(x, None, self_varlen(packed, "src"), return_all_hiddens)
         return _output(x, [], states, src_lengths)
 
     def _layers(self, x, key_padding_mask, varlen, return_all_hiddens: bool):
         """The layers (over padded sentences with their mask, or packed ones with varlen) and the final layer
-        norm: (x, each layer's output [T, B, C] when return_all_hiddens)."""
-        states: List[torch.Tensor] = []
+        norm: (x, the embedding's and each layer's output [T, B, C] when return_all_hiddens, as fairseq's)."""
+        states: List[torch.Tensor] = [x.transpose(0, 1)] if return_all_hiddens else []
         for layer in self.layers:
             if self.checkpoint_activations and self.training:
                 x = checkpoint(layer, x, key_padding_mask, varlen, use_reentrant=False)

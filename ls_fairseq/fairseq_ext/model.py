@@ -12,7 +12,7 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer import transformer_legacy as native
 
-from ls_fairseq.fairseq_ext.config import check_supported
+from ls_fairseq.fairseq_ext.config import OptionError, check_supported
 from ls_fairseq.fairseq_ext.decoder import LSTransformerDecoder
 from ls_fairseq.fairseq_ext.encoder import LSTransformerEncoder
 from ls_fairseq.fairseq_ext.fp8_mode import add_fp8_args, set_fp8_mode
@@ -71,6 +71,11 @@ class LSTransformerModel(native.TransformerModel):
                             alignment_layer=alignment_layer, alignment_heads=alignment_heads,
                             src_lengths=src_lengths, return_all_hiddens=return_all_hiddens, logit_rows=logit_rows,
                             packed=packed)
+
+    def __prepare_scriptable__(self):
+        """torch.jit.script calls this first: refuse by name instead of failing deep in TorchScript's compiler."""
+        raise OptionError("ls_transformer cannot be compiled by TorchScript (torch.jit.script): its layers call "
+                          "fused ops; script the native model instead (lightseq-convert --to native)")
 
     def set_num_updates(self, num_updates):
         """Pass the update count to the submodules that use it.
