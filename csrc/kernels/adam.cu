@@ -4,25 +4,12 @@
 // into one factor); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2; bias corrections bc_i = 1 - b_i^step.
 //   fairseq mode: p = p - wd * lr * p;  p = p - (lr * sqrt(bc2) / bc1) * m / (sqrt(v) + eps)
 //   torch mode:   p = p * (1 - lr * wd); p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-// param_lp (optional) receives p rounded to its dtype in the same pass; param_lp_peer (optional, the same
-// range of another GPU's copy, mapped peer-to-peer) receives the same values: a data-parallel rank that
-// owns this range writes it on every rank in one pass (its stores are fenced at system scope before the
-// kernel ends; the caller orders them before the peer's next read). When `norm` is given and not
-// finite, the kernel writes nothing: the step is skipped on the device, without a host sync.
-// `scale_dev` (optional, device fp32 scalar) multiplies grad_scale, read on the device: a factor that
-// is only known there (loss scale, clip coefficient) needs no host sync; a non-finite factor also
-// skips the step.
-// Split master (bf16 weights): the fp32 master is not stored whole. Its upper half is the bf16 weight itself,
-// rounded to nearest with ties away from zero (an integer add of 0x8000 to the fp32 bit pattern, then its upper
-// 16 bits), and `param_lo` (int16) holds the signed remainder, bits(master) - (bits(weight) << 16), which lies in
-// [-0x8000, 0x7fff]: bits(master) = (bits(weight) << 16) + lo, exactly. The update reads and writes 2 + 2 bytes
-// of master per element instead of 4 + 4 + 2 (fp32 master and the bf16 copy): 26 bytes per element in all
-// against 28. Rounded so, the weight differs from round-to-nearest-even only at exact ties.
-// `sq_out` (optional): the L2 norm of the gradients as read (before grad_scale) over the ranges, summed in the same
-// pass (per-block partials, then one block in a fixed order): the norm without a pass of its own. The step is then
-// never skipped for `norm` (pass none); a non-finite scale_dev still skips the writes, not the sums.
-// grad_norm: per-block fp32 sums of squares (fixed grid), then one block sums the partials in a
-// fixed order and takes the square root: deterministic; inf / NaN propagate.
+// param_lp (optional) receives p rounded to its dtype in the same pass, param_lp_peer (optional) the same values in
+// another GPU's copy (peer-to-peer). A non-finite `norm` or `scale_dev` (a device factor of grad_scale) skips the
+// step on the device, without a host sync.
+// Split master (bf16 weights): the fp32 master is the bf16 weight (its upper half) and an int16 remainder
+// `param_lo`, exactly; `sq_out`: the gradients' L2 norm summed in the same pass; grad_norm: deterministic
+// per-block sums, then one block. Details: docs/optimizer.md ("Kernels").
 #include <cmath>
 
 #include "kernels/common.cuh"

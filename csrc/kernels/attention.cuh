@@ -214,8 +214,8 @@ void allow_smem(K* kern, std::atomic<int> (&allowed)[64], size_t bytes) {
   cudaGetDevice(&dev);
   if (dev >= 0 && dev < 64 && static_cast<int>(bytes) <= allowed[dev].load(std::memory_order_relaxed)) return;
   cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  // all of the SM's unified memory as shared memory: the CTAs' loads bypass L1 (cp.async.cg), and with the default
-  // split the driver took 168 of 228 KB, which held 6 backward CTAs of 32 tokens where their registers allow 8
+  // all of the SM's unified memory as shared memory: the CTAs' loads bypass L1 (cp.async.cg), and the default split
+  // leaves less shared memory than the backward's short-sequence CTAs need to fill an SM as their registers allow
   cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (dev >= 0 && dev < 64) {
     int seen = allowed[dev].load(std::memory_order_relaxed);

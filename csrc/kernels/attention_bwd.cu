@@ -157,7 +157,7 @@ void launch_bwd(const ShortAttentionArgs& a, cudaStream_t stream) {
   static std::atomic<int> allowed[64];
   allow_smem(kern, allowed, L.total);
   // one warp per 16 keys (the longer length's); D <= 64 holds two CTAs of 8 warps per SM within its 128 registers.
-  // D = 128 keeps 4 warps of two 16-key blocks each at 128 tokens, as before the register bound (not measured since)
+  // D = 128 keeps 4 warps of two 16-key blocks each at 128 tokens
   const int longer = L.TQ > L.TK ? L.TQ : L.TK;
   const int threads = longer == 128 && D > 64 ? 128 : 2 * longer;
   kern<<<a.B * a.H, threads, L.total, stream>>>(a);

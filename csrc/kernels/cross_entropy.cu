@@ -5,27 +5,14 @@
 //   nll = lse - x_t,  smooth = sum_v -log p_v = V * lse - sx,
 //   loss = (1 - eps - eps_i) * nll + eps_i * smooth,   eps_i = eps / (V - 1)   (fairseq's definition).
 // Rows whose target is ignore_index give 0 (and a zero gradient); a target outside [0, V) gives NaN.
-// Each thread takes the groups of 8 logits g, g + threads, g + 2 * threads, ... in that order, two groups'
-// loads in flight at a time; the per-thread (max, sum-exp) and sum are then combined across the block.
 // lse is saved (4 bytes per row) for the backward, which re-reads the logits once:
 //   dlogit_v = p_v * (g_loss * (1 - eps - eps_i + V * eps_i) + g_nll) - g_loss * eps_i
 //              - [v == t] * (g_loss * (1 - eps - eps_i) + g_nll),        p_v = exp(x_v - lse),
 // computed in fp32 and written in the logits' dtype. g_loss / g_nll are read from device memory.
-//
-// The fused forward + backward (the training step's head, where only g_loss * loss is backpropagated) does
-// both in one block per row: the forward's pass, then the backward's formula with g_nll = 0 written over the
-// logits, so the row leaves HBM once and returns once (the second read is served by L2). It runs 512 threads
-// per row, not 256: what must stay in L2 between a row's two passes is about the rows in flight (resident
-// blocks x row bytes), and at 512 threads there are half as many. A [*, 32000] fp16 row is 64 KB; at ~32
-// registers a thread an SM holds 4 blocks of 512 (8 of 256), so 132 SMs have ~530 rows (~34 MB) in flight
-// against H100's 50 MB L2, where 256 threads would have ~68 MB. Given lse, its loss and gradient are computed
-// as the forward's and the backward's; lse itself is bitwise the forward's up to V = 2048 (each thread holds the
-// same one group in both, the extra warps are empty) and above may differ in rounding (the block reduction's
-// order). Ignored rows are not read: loss 0, gradient 0.
-//
-// The FP8 head (--fp8) needs the gradient only as FP8 codes, row-major and transposed: a first pass per row makes
-// the statistics (ls_ce_fwd_kernel at the fused kernel's block size) and a tile pass (fp8.cu: fp8_ce_grad) reads
-// the logits again and writes both layouts of the codes, so no transpose of the codes follows.
+// The fused forward + backward (the training step's head) does both in one block of 512 threads per row, the
+// gradient written over the logits, so the row leaves HBM once and returns once (from L2); the FP8 head makes the
+// statistics, then a tile pass (fp8.cu: fp8_ce_grad) writes the gradient's codes in both layouts. Why 512
+// threads, and how its results relate to the separate passes': docs/kernels.md ("Cross-entropy").
 #include "kernels/ce_grad.cuh"
 #include "kernels/common.cuh"
 

@@ -26,8 +26,8 @@ __global__ void fused_dropout_fwd_kernel(const T* __restrict__ x, const T* __res
                                          uint8_t* __restrict__ mask, int64_t n, int C, float p,
                                          uint32_t threshold, PhiloxArgs rng, const uint8_t* __restrict__ keep = nullptr) {
   // Groups per thread and iteration: every load of them is issued before their Philox draws, which then overlap
-  // the loads' latency (measured on an H100: the [8192, 4096] relu + dropout 1.22x faster with 2; with a residual,
-  // three loads per group already, 2 was slower).
+  // the loads' latency. Two groups pay where a group has few loads; with a residual (three loads per group
+  // already) one is faster (benchmarks/RESULTS.md, section 'ops').
   constexpr int U = RESIDUAL ? 1 : 2;
   uint64_t seed = 0, offset = 0;
   if (!REPLAY && mask != nullptr) philox_unpack(rng, seed, offset);

@@ -32,8 +32,8 @@ struct ActDropoutSource {
   __device__ __forceinline__ void begin() {
     if (DRAW && p > 0.f) philox_unpack(rng, seed, offset);
   }
-  // Every load is issued before the Philox draws, so the draws overlap the loads' latency (1.4x faster on an H100
-  // than drawing between them); the keep and positive bits of the two groups leave as one 2-byte store each.
+  // Every load is issued before the Philox draws, so the draws overlap the loads' latency (faster than drawing
+  // between them); the keep and positive bits of the two groups leave as one 2-byte store each.
   __device__ __forceinline__ void load16(int64_t i, int64_t j, float (&v)[16]) {
     const float scale = 1.f / (1.f - p);
     const int64_t e = i * K + j;  // a multiple of 16: groups e / 8 and e / 8 + 1
@@ -161,9 +161,9 @@ struct MergeHeadsSource {
 // column sums leave once, as row item / strips of partial ([chunks, K] floats): one block reduction per chunk
 // instead of one per tile. chunk depends on the shape and the GPU only (cast_chunk), so the order of the sums does
 // too. A block walks its tiles (its items' tiles, item after item) one ahead: each tile's loads are issued before
-// the previous tile is converted and stored, so that they are in flight meanwhile. At up to 80 registers an SM
-// holds 3 blocks; without the loads ahead it held 4 at 64, each thread waiting for its loads before converting them,
-// and the ReLU gradient's cast of 7,488 x 4,096 took 1.17x as long on an H200.
+// the previous tile is converted and stored, so that they are in flight meanwhile: at up to 80 registers an SM
+// holds 3 blocks, one fewer than without the loads ahead, and the loads in flight pay for it (benchmarks/RESULTS.md,
+// section 'FP8').
 template <typename Source>
 __global__ void __launch_bounds__(kThreads, 3)
     chunked_cast_kernel(Source src, int64_t M, int64_t K, float* __restrict__ row, Fp8Format fmt,
@@ -224,8 +224,9 @@ __global__ void __launch_bounds__(kThreads, 3)
 }
 
 // tiles a work item of chunked_cast_kernel, for a GPU that holds `resident` of its blocks at once: 4, or 2 or 1
-// where 4 leaves fewer items than half of that. Measured on an H200 (transformer-big's shapes, 1,800 to 7,488 rows):
-// 4 was the fastest or within 2% of it from 3,600 rows up; 8 lost up to 20%; 1 up to 21% (a block reduction per tile).
+// where 4 leaves fewer items than half of that. At transformer-big's shapes 4 is the best choice or close to it;
+// longer items leave too few for the grid, and one tile per item pays a block reduction per tile
+// (benchmarks/RESULTS.md, section 'FP8').
 int cast_chunk(int64_t M, int64_t K, int64_t Mp, int64_t resident) {
   int c = 4;
   while (c > 1 && 2 * tile_count(M, K, Mp, c) < resident) c /= 2;

@@ -7,14 +7,10 @@
 // Backward: with xhat = (s - mean) * rstd and gw = dy * gamma (fp32),
 //   dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)) [+ dsum],
 //   dgamma = sum_rows dy * xhat, dbeta = sum_rows dy.
-// Invertible backward (--ls-invertible-layernorm): the input is not kept; xhat is recovered from the
-// stored output as (y - beta) / gamma in fp32, so only y (which the next linear layer keeps anyway), beta
-// and rstd are needed. Its xhat carries the rounding of y to the storage type, divided by gamma: exact up
-// to that rounding while |gamma| is not small against |beta|. Where gamma is 0, xhat cannot be recovered:
-// the division gives NaN, which reaches dx, dgamma and dbeta of that call (never a finite wrong value).
+// Invertible backward (--ls-invertible-layernorm): the input is not kept; xhat is recovered from the stored
+// output as (y - beta) / gamma in fp32 (its precision and gamma = 0: docs/kernels.md, "Layer norm").
 // The column sums are fp32 per-thread accumulations over a fixed set of rows per block, combined
 // across the block and then across blocks in a fixed order: deterministic.
-//
 // Layout: TX threads per row, each owning 8 consecutive columns (vector loads when C % 8 == 0 and
 // the pointers are 16-byte aligned), TY rows per block with TX * TY <= 256 (or TX alone up to 1024).
 #include <initializer_list>
@@ -232,8 +228,8 @@ void layer_norm_fwd(DType dt, const void* x, const void* residual, const void* g
 // mean, the variance, y rounded to T and its codes are those of layer_norm_fwd and fp8_quantize bit for bit, with
 // no barrier per row. A block takes a band of kLnBand rows: the row-major codes go straight out, and through shared
 // memory the band's transposed codes, out_t[c, band rows] (rows rows .. Mp - 1 zero; out_t nullptr: none).
-// Two blocks an SM (128 registers a thread: each row's values, gamma and beta held from their loads on; fewer
-// registers spilled and ran slower on an H200).
+// Two blocks an SM (128 registers a thread: each row's values, gamma and beta held from their loads on; with fewer
+// registers they spill).
 constexpr int kLnBand = 16;
 constexpr int kLnCodesWarps = 8;
 constexpr int kLnRowsPerWarp = kLnBand / kLnCodesWarps;
@@ -356,7 +352,7 @@ void layer_norm_codes(DType dt, const void* x, const void* gamma, const void* be
 }
 
 // One wave: the backward kernel needs 64 registers a thread, so an SM holds 1024 of its threads, and a grid sized for
-// 2048 ran in two waves and wrote twice the column partials the finalize then reads (at 4096 rows of 1024: 8.6 MB).
+// 2048 would run in two waves and write twice the column partials the finalize then reads.
 static int ln_bwd_grid(int64_t rows, int C) {
   const LnShape s = ln_shape(C);
   const int per_sm = std::max(1, 1024 / (s.tx * s.ty));

@@ -3,13 +3,12 @@
 //
 // The first product that uses a cuBLAS kernel not used before in the process waits until the GPU has finished all
 // queued work, then loads the kernel. ATen gives no way to know which kernel a product will use, and cuBLAS picks
-// among many (over 200 token counts of one product, 40 kernels), so a CUDA-graph step that captures a new bucket
-// behind queued updates drains the queue about once in three captures. Here each exact product runs cuBLASLt's first
-// heuristic proposal for its shape (chosen on the host at the shape's first sight and kept), so the kernels a set of
-// shapes needs are known before they run: gemm_preload takes the token counts of the planned buckets, and for every
-// class of product seen so far (its sizes other than the token count, layouts, dtype, bias, accumulation, device)
-// runs one product per distinct algorithm on scratch operands. That loads each kernel once, while the GPU is idle
-// anyway (beside the optimizer's setup, prewarm.py); the captures then meet none.
+// among many across the token counts of one product, so a CUDA-graph step that captures a new bucket behind queued
+// updates often drains the queue (benchmarks/RESULTS.md, section 'first epoch'). Here each exact product runs
+// cuBLASLt's first heuristic proposal for its shape (chosen at the shape's first sight and kept), so the kernels a
+// set of shapes needs are known before they run: gemm_preload runs, for the planned buckets' token counts and every
+// class of product seen so far, one product per distinct algorithm on scratch operands while the GPU is idle anyway
+// (beside the optimizer's setup, prewarm.py); the captures then meet no kernel not loaded before.
 //
 // Whatever does not fit runs through the ATen call it replaces: fp32, strided or unaligned operands, sizes not
 // multiples of 8, a call cuBLASLt refuses, or cuBLASLt missing. cuBLASLt is the one torch loaded: its functions

@@ -1,25 +1,13 @@
 // GradBuckets: the per-parameter work of ls_fairseq.optim.overlap.OverlappedReducer in C++.
 //
-// The overlapped reduction must know, during the backward pass, when every parameter of a bucket has
-// its gradient, and must then fold the bucket: copy the gradients autograd produced into the bucket's
-// range of the flat buffer, make every ``p.grad`` its view of that range, divide the range by the world
-// size. Done from Python that is one Python call per parameter per backward (about 190 for the big
-// Transformer) plus a Python loop over the bucket's parameters, on the autograd thread the optimizer
-// step waits for: about 10 us per parameter on a 2-GPU rank.
-//
-// Here each parameter's gradient accumulator carries a C++ post hook. The hook counts and folds without
-// the GIL; it calls Python (``events(kind, value)``) only
-//   kind 0 "task"    the first gradient of an autograd graph task (a backward; a reentrant backward is a
-//                    task of its own). Python answers whether the reduction is armed for it, starts the
-//                    round and queues its end-of-backward callback, or raises (a second backward into a
-//                    round). Gradients of an unarmed task are left alone, as without the reducer;
-//   kind 1 "bucket"  bucket n is complete and folded: Python launches its collective (in order).
-// Slots are numbered bucket by bucket: bucket n holds the consecutive slots [first[n], first[n + 1]).
-//
-// All state is touched by one thread at a time: the hooks run on the thread that runs the backward
-// (for CUDA parameters autograd's device thread), the Python methods between backward passes or from the
-// end-of-backward callback, which runs on the same thread after the last hook. The hooks hold the state
-// weakly; its Python callback is released with the GIL held. Nothing here touches CUDA directly:
+// During the backward pass, it knows when every parameter of a bucket has its gradient and then folds the
+// bucket (the gradients copied into the bucket's range of the flat buffer, every ``p.grad`` made its view, the
+// range divided by the world size): from Python that would be a call per parameter per backward on the autograd
+// thread the optimizer step waits for. Each parameter's gradient accumulator carries a C++ post hook that counts
+// and folds without the GIL and calls Python (``events(kind, value)``) only for kind 0 "task" (the first gradient
+// of a backward: Python arms the round, or raises) and kind 1 "bucket" (bucket n folded: Python launches its
+// collective). Slots are numbered bucket by bucket (bucket n: [first[n], first[n + 1])). One thread at a time
+// touches the state (docs/optimizer.md, "Overlapped reduction"); nothing here touches CUDA directly:
 // tests/test_overlap.py builds this file on the CPU.
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>

@@ -1,22 +1,18 @@
 // Weight gradients written straight into the optimizer's gradient buffer.
-//
 // The CUDA-graph step captures each bucket's backward once and replays it; ls_adam keeps every gradient in
 // one flat buffer per dtype. Left to autograd, a captured backward hands each weight gradient to autograd's
-// accumulation as a new tensor of the graph pool, and a second pass must move all of them into the flat
-// buffer (for the big Transformer about 176M values per micro-batch: a copy of 0.7 GB in bf16). Instead,
-// while a backward is captured, the graph step names each body parameter's place in the flat buffer here
-// (a "sink"), and the linear nodes' weight-gradient GEMMs write there themselves:
+// accumulation as a new tensor of the graph pool, and a second pass must copy all of them into the flat buffer.
+// Instead, while a backward is captured, the graph step names each body parameter's place in the flat buffer
+// here (a "sink"), and the linear nodes' weight-gradient GEMMs write there themselves:
 //   * write mode: C = A B overwrites the sink (the update's only micro-batch: nothing to add to);
 //   * add mode:   C += A B (beta = 1 in the GEMM's epilogue) for updates of several micro-batches, whose
 //                 buffers are zeroed once at the start of the update.
 // A weight that two nodes use (tied weights) is overwritten by the first and added to by the second. The head's
 // weights (add_weight_grad_sinks) are always added to: their slices hold the head's part before the backward
-// runs. The embedding backward (embedding.cpp) writes its table's gradient into a sink too. The FP8
-// projections (fp8.cpp), whose GEMM cannot add into its output, use their sinks in write mode only. The
-// node then returns no gradient for the weight, so autograd leaves it alone. Sinks are looked up by the
-// weight's data pointer (a node keeps the parameter itself for the backward, so the pointers are the
-// parameter's); a sink whose shape or dtype differs from the product is not used. Nothing here touches
-// CUDA directly: the CPU tests build this file with the nodes (tests/_cpu_builds.py).
+// runs. The embedding backward (embedding.cpp) writes into a sink too; the FP8 projections (fp8.cpp), whose GEMM
+// cannot add into its output, in write mode only. The node then returns no gradient for the weight. Sinks are
+// looked up by the weight's data pointer; one whose shape or dtype differs from the product is not used. Nothing
+// here touches CUDA directly: the CPU tests build this file with the nodes (tests/_cpu_builds.py).
 #include <torch/extension.h>
 
 #include <atomic>
