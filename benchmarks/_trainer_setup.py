@@ -29,7 +29,8 @@ def build(argv):
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    from ls_fairseq.cli.train import fix_bf16, ls_adam_owns_master_weights, patch_fp16_optimizer_for_bf16
+    from ls_fairseq.fairseq_ext.patches import patch_fp16_optimizer_for_bf16
+    from ls_fairseq.fairseq_ext.step.takeover import fix_bf16, ls_adam_owns_master_weights
 
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     fix_bf16(args, argv)  # --bf16 on the GPU, not --tpu

@@ -32,8 +32,8 @@ def record(out_path, argv):
     from fairseq_cli import train as fs_train
 
     from ls_fairseq.cli import train as ls_train
-    from ls_fairseq.fairseq_ext import graph_step
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.graph import graph_step
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
 
     rec = {"steps": [], "epochs": []}
     events, current = [], {}

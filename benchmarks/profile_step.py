@@ -29,13 +29,11 @@ def main():
 
     from fairseq.trainer import Trainer
 
+    if "ls_adam" in argv:  # ls_adam's option: the graphs only when asked for here
+        argv += ["--ls-graph-step", graph_step]
     cfg, task, model, criterion = build(argv)
     if cfg.model._name.startswith("ls_"):  # what lightseq-train runs
-        from ls_fairseq.fairseq_ext.trainer import LSTrainer as Trainer
-    if graph_step == "on":
-        from ls_fairseq.fairseq_ext import graph_step as gs
-
-        gs.OPTIONS["on"] = True
+        from ls_fairseq.fairseq_ext.step.trainer import LSTrainer as Trainer
     trainer = Trainer(cfg, task, model, criterion)
     batches = first_batches(trainer, n_batches)
 

@@ -155,7 +155,7 @@ def host_probe(argv):
     import torch
     from fairseq.trainer import Trainer
 
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
 
     cfg, task, model, criterion = build(argv)
     name = cfg.model._name

@@ -51,7 +51,7 @@ def main():
         torch.cuda.reset_peak_memory_stats = lambda *a, **k: None  # the peak of the whole run (see above)
     from fairseq import trainer as fs_trainer
 
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
 
     for cls in (fs_trainer.Trainer, LSTrainer):  # LSTrainer's own step does not go through fairseq's
         _count_words(cls)

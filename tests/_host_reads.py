@@ -6,7 +6,7 @@ Used by tests/test_deferred_step.py and tests/gpu/test_multi_gpu.py:
     python tests/_host_reads.py OUT.json <lightseq-train args>
 
 Writes {"steps": n, "reads": {"name file:line": count}}; the first steps (warm-up) are not counted,
-nor the deliberate read of the settled update's pinned copy (_PendingStep.values)."""
+nor the deliberate read of the settled update's pinned copy (PendingUpdate.values)."""
 
 import atexit
 import collections
@@ -29,7 +29,7 @@ def counting_host_reads(on_cpu: bool):
     """While inside, the host reads made inside LSTrainer.train_step are counted; yields a function that
     returns {"steps": n, "reads": {"name file:line": count}} so far. Everything patched is restored on
     the way out. ``on_cpu``: a --cpu run, where every tensor stands for one that would be on the GPU."""
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
 
     counts = collections.Counter()
     state = {"inside": False, "steps": 0}
@@ -45,7 +45,7 @@ def counting_host_reads(on_cpu: bool):
             if state["inside"] and state["steps"] >= 2 and (self.is_cuda or on_cpu):
                 for frame in reversed(traceback.extract_stack(limit=4)[:-1]):
                     if frame.name == "values":
-                        break  # _PendingStep.values: the settled update's pinned copy
+                        break  # PendingUpdate.values: the settled update's pinned copy
                     if any(w in frame.filename for w in WATCHED):
                         counts[f"{name} {os.path.basename(frame.filename)}:{frame.lineno}"] += 1
                         break

@@ -27,19 +27,8 @@ def test_lightseq_train_refuses(extra, env, message, monkeypatch, capsys):
     assert message in str(e.value) + capsys.readouterr().err
 
 
-def test_fairseqs_fp16_optimizer_without_a_gpu_is_an_error(monkeypatch):
-    from ls_fairseq.cli import train
-
-    monkeypatch.setenv("LS_FAIRSEQ_FP16_OPTIMIZER", "1")
-    args = train.parse(TRAIN + ["--fp16"])  # parsing alone is fine (a GPU configuration, parsed anywhere)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        train.check_device_args(args)
-    monkeypatch.delenv("LS_FAIRSEQ_FP16_OPTIMIZER")
-    train.check_device_args(args)
-
-
 def test_a_missing_restore_file_is_an_error(tmp_path):
-    from ls_fairseq.cli.train import prepare_checkpoints
+    from ls_fairseq.fairseq_ext.step.run_checks import prepare_checkpoints
 
     cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(
         restore_file=str(tmp_path / "nope.pt"), save_dir=str(tmp_path), no_save=False))
@@ -90,7 +79,7 @@ def test_an_ignored_prefix_covering_the_target_is_an_error():
 
 @pytest.mark.parametrize("lr, bad", [(-0.01, True), (0.0, False), (1e-4, False), ({"default": -1e-5}, True)])
 def test_a_negative_scheduled_learning_rate_stops_training(lr, bad):
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer, _check_lr
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer, check_lr as _check_lr
 
     assert "lr_step_update" in LSTrainer.__dict__  # every update's learning rate goes through the check
     if bad:
@@ -103,7 +92,7 @@ def test_a_negative_scheduled_learning_rate_stops_training(lr, bad):
 def test_a_nan_validation_loss_never_makes_a_best_checkpoint(monkeypatch):
     from fairseq import checkpoint_utils
 
-    from ls_fairseq.cli.train import keep_nan_from_best
+    from ls_fairseq.fairseq_ext.patches import keep_nan_from_best
 
     seen = []
     monkeypatch.setattr(checkpoint_utils, "save_checkpoint", lambda cfg, tr, itr, val_loss: seen.append(val_loss))
@@ -162,6 +151,7 @@ def test_a_smaller_dictionary_or_random_bytes_are_named(data_bin, tmp_path):
 
 def test_lightseq_train_stops_on_bad_data(data_bin, tmp_path):
     from ls_fairseq.cli import train
+    from ls_fairseq.fairseq_ext.step import run_checks
 
     d = _copy(data_bin, tmp_path / "e")
     (d / "train.src-tgt.tgt.bin").write_bytes(b"")
@@ -169,4 +159,4 @@ def test_lightseq_train_stops_on_bad_data(data_bin, tmp_path):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     with pytest.raises(SystemExit, match="train.src-tgt.tgt.bin is empty"):
-        train.check_data(convert_namespace_to_omegaconf(args))
+        run_checks.check_data(convert_namespace_to_omegaconf(args))

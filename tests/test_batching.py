@@ -13,7 +13,7 @@ import torch
 from _models import lightseq_train_two_ranks
 from test_end_to_end import TRAIN_FLAGS, _params, inner_by_update, train
 
-from ls_fairseq.fairseq_ext.batching import (
+from ls_fairseq.fairseq_ext.step.batching import (
     GroupedShuffleEpochBatchIterator,
     group_batches_by_update,
     grouped_order,

@@ -94,11 +94,8 @@ def test_bf16_does_not_imply_tpu(monkeypatch):
 def test_ls_adam_keeps_the_master_weights_under_mixed_precision(monkeypatch, prec):
     args = _parse(_ARGS + [f"--{prec}", "--optimizer", "ls_adam"], monkeypatch)
     assert getattr(args, f"memory_efficient_{prec}")
-    # other optimizers keep fairseq's FP16Optimizer, and the opt-out is honoured
+    # other optimizers keep fairseq's FP16Optimizer
     args = _parse(_ARGS + [f"--{prec}", "--optimizer", "adam"], monkeypatch)
-    assert not getattr(args, f"memory_efficient_{prec}")
-    monkeypatch.setenv("LS_FAIRSEQ_FP16_OPTIMIZER", "1")
-    args = _parse(_ARGS + [f"--{prec}", "--optimizer", "ls_adam"], monkeypatch)
     assert not getattr(args, f"memory_efficient_{prec}")
 
 
@@ -136,13 +133,6 @@ def test_ddp_backend_is_left_alone(monkeypatch, caplog, extra, expected):
     assert not any("legacy_ddp" in r.getMessage() for r in caplog.records)
 
 
-def test_ddp_backend_is_left_alone_under_fairseqs_fp16_optimizer(monkeypatch):
-    # ls_adam then steps FP16Optimizer's fp32 copy and never sees the model's gradients
-    monkeypatch.setenv("LS_FAIRSEQ_FP16_OPTIMIZER", "1")
-    args = _parse(_ARGS + ["--optimizer", "ls_adam", "--distributed-world-size", "2", "--fp16"], monkeypatch)
-    assert args.ddp_backend == "pytorch_ddp"
-
-
 @pytest.mark.parametrize("extra, grouped, rebuild", [
     (["--distributed-world-size", "2"], False, False),  # fairseq's shuffle unless asked for
     (["--distributed-world-size", "2", "--grouped-shuffling"], True, False),  # fairseq would rebuild
@@ -156,8 +146,7 @@ def test_grouped_shuffling_keeps_the_epoch_iterator(monkeypatch, extra, grouped,
 
 
 def test_grouped_shuffling_is_fairseqs_under_the_plain_trainer(monkeypatch):
-    monkeypatch.setenv("LS_FAIRSEQ_PLAIN_TRAINER", "1")
-    args = _parse(_ARGS + ["--grouped-shuffling"], monkeypatch)
+    args = _parse(_ARGS + ["--grouped-shuffling", "--optimizer", "ls_adam", "--ls-trainer", "off"], monkeypatch)
     assert args.grouped_shuffling and args.update_epoch_batch_itr  # fairseq's own default
 
 
@@ -180,12 +169,14 @@ def test_plain_arguments_are_fairseqs(monkeypatch):
 
 
 def test_fix_bf16_only_touches_the_implied_tpu():
+    from ls_fairseq.fairseq_ext.step import takeover
+
     ns = argparse.Namespace(bf16=True, tpu=True)
-    assert train.fix_bf16(ns, ["--bf16"]) and not ns.tpu
+    assert takeover.fix_bf16(ns, ["--bf16"]) and not ns.tpu
     ns = argparse.Namespace(bf16=True, tpu=True)
-    assert not train.fix_bf16(ns, ["--bf16", "--tpu"]) and ns.tpu
+    assert not takeover.fix_bf16(ns, ["--bf16", "--tpu"]) and ns.tpu
     ns = argparse.Namespace(bf16=False, tpu=False)
-    assert not train.fix_bf16(ns, []) and not ns.tpu
+    assert not takeover.fix_bf16(ns, []) and not ns.tpu
 
 
 @pytest.mark.parametrize("flags", [["--fp16", "--bf16"], ["--memory-efficient-fp16", "--bf16"],

@@ -1,5 +1,5 @@
 """LSTrainer's deferred step (no host reads; each update settled during the next one) against
-fairseq's step body (LS_FAIRSEQ_SYNC_STEP=1), through lightseq-train on the CPU.
+fairseq's own Trainer (--ls-trainer off), through lightseq-train on the CPU.
 
 With dropout 0 the two must log the same numbers at every --log-interval and end with the same
 weights, through fp16 overflows, loss-scale changes, gradient clipping and an epoch boundary."""
@@ -19,9 +19,7 @@ OVERFLOW = "gradient overflow detected"
 
 def _run(data, save, sync, monkeypatch, *flags):
     if sync:
-        monkeypatch.setenv("LS_FAIRSEQ_SYNC_STEP", "1")
-    else:
-        monkeypatch.delenv("LS_FAIRSEQ_SYNC_STEP", raising=False)
+        flags = (*flags, "--ls-trainer", "off")
     lg = logging.getLogger("fairseq.trainer")
     handler, level = _Lines(), lg.level
     lg.addHandler(handler)
@@ -37,7 +35,7 @@ def _run(data, save, sync, monkeypatch, *flags):
 def _compare(data, tmp_path, monkeypatch, flags, keys):
     a, lines_a = _run(data, str(tmp_path / "sync"), True, monkeypatch, *flags)
     b, lines_b = _run(data, str(tmp_path / "deferred"), False, monkeypatch, *flags)
-    assert any("fairseq's step body" in x for x in lines_a)
+    assert not any("deferred step" in x for x in lines_a)  # fairseq's own Trainer
     assert any("deferred step" in x for x in lines_b)
     assert sorted(a) == sorted(b) and a, (sorted(a), sorted(b))
     for u in a:
@@ -123,7 +121,7 @@ def test_a_nonfinite_gradient_summed_in_the_update_stops_training_and_says_so(da
 def test_scale_candidates_follow_fairseqs_loss_scaler():
     from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
 
-    from ls_fairseq.fairseq_ext.trainer import scale_candidates
+    from ls_fairseq.fairseq_ext.step.deferred_step import scale_candidates
 
     scaler = DynamicLossScaler(init_scale=64.0, scale_window=3, min_loss_scale=1.0)
     for outcome in ["ok", "ok", "ok", "bad", "ok", "bad", "bad", "ok", "ok", "ok", "ok"]:
@@ -190,11 +188,11 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):
     flags = [*TRAIN_FLAGS, "--max-update", "9", "--clip-norm", "0.1", "--dropout", "0", "--log-interval", "3",
              "--disable-validation"]
     runs = {}
-    for name, env in (("sync", {"LS_FAIRSEQ_SYNC_STEP": "1"}), ("deferred", {}),
-                      ("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"})):
+    for name, env, extra in (("sync", {}, ["--ls-trainer", "off"]), ("deferred", {}, []),
+                             ("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}, [])):
         save = tmp_path / name
         save.mkdir()
-        runs[name] = lightseq_train_two_ranks(data_bin, save, save, flags, env=env)
+        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, *extra], env=env)
     with open(tmp_path / "sharded" / "rank0.log") as f:
         assert "optimizer state sharded over 2 ranks" in f.read()
     with open(tmp_path / "deferred" / "rank0.log") as f:
@@ -221,22 +219,22 @@ def test_summed_statistics_are_read_back_as_host_numbers():
     import torch.distributed as dist
 
     from _models import free_port
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.step.step_stats import StepStats
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        fake = SimpleNamespace(device=torch.device("cpu"), data_parallel_process_group=None)
+        stats = StepStats(SimpleNamespace(), None, torch.device("cpu"), lambda: None)
         logs = [{"loss": torch.tensor(2.5), "ntokens": 7, "sample_size": 7, "pair": torch.tensor([1.0, 2.0])},
                 {"loss": torch.tensor(1.5), "ntokens": 5, "sample_size": 5, "pair": torch.tensor([3.0, 4.0])}]
-        stats, buf, summed = LSTrainer._sum_stats_on_device(fake, logs, torch.tensor(12.0), 0, 3.5)
-        assert [float(s) for s in stats] == [12.0, 0.0, 3.5]
+        sums, buf, summed = stats.sum_on_device(logs, torch.tensor(12.0), 0, 3.5)
+        assert [float(s) for s in sums] == [12.0, 0.0, 3.5]
         out = summed.read(buf.tolist())
         assert len(out) == 1
         assert out[0]["loss"] == 4.0 and out[0]["ntokens"] == 12 and out[0]["sample_size"] == 12
         assert all(type(out[0][k]) is float for k in ("loss", "ntokens", "sample_size"))
         assert out[0]["pair"].tolist() == [4.0, 6.0] and out[0]["pair"].device.type == "cpu"
         # a dummy batch contributes zeros of the same layout
-        _, buf0, summed0 = LSTrainer._sum_stats_on_device(fake, logs[:1], 0.0, 0, 0.0, ignore=True)
+        _, buf0, summed0 = stats.sum_on_device(logs[:1], 0.0, 0, 0.0, ignore=True)
         zero = summed0.read(buf0.tolist())[0]
         assert sorted(zero) == ["loss", "ntokens", "pair", "sample_size"]
         assert zero["loss"] == zero["ntokens"] == zero["sample_size"] == 0.0
@@ -280,7 +278,7 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, ranks,
 def test_a_run_of_overflows_stops_training_with_the_reason(data_bin, tmp_path, monkeypatch):
     """From a loss scale of 2**22 the first updates all overflow: with the streak limit at 4 training stops
     on the fourth, with the reason, instead of going on."""
-    from ls_fairseq.fairseq_ext import pending_update
+    from ls_fairseq.fairseq_ext.step import pending_update
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # as above: fairseq's overflow branch
     monkeypatch.setattr(pending_update, "OVERFLOW_STREAK_LIMIT", 4)
@@ -294,18 +292,18 @@ def test_updates_are_settled_five_behind_without_a_loss_scale(data_bin, tmp_path
     """Without a loss scale (fp32 here, bf16 alike) update n is settled during update n + 5, so five may be
     pending; fp16's loss scale keeps it to one (an overflow changes what the next update uses). The logged
     numbers are the same either way (the comparisons above run fp32 with five pending)."""
-    from ls_fairseq.fairseq_ext.pending_update import PENDING_WITHOUT_SCALE, PendingUpdateMixin, pending_limit
+    from ls_fairseq.fairseq_ext.step.pending_update import PENDING_WITHOUT_SCALE, PendingUpdates, pending_limit
 
     assert PENDING_WITHOUT_SCALE == 5 and pending_limit(None) == 5 and pending_limit(object()) == 1
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # as above: fairseq's overflow branch
-    pending_at_settle, real = [], PendingUpdateMixin._ls_settle
+    pending_at_settle, real = [], PendingUpdates._settle_one
 
     def settle(self, pending, in_step):
         if in_step:  # the updates pending when this one was taken out, itself included
-            pending_at_settle.append(len(self._ls_pendings) + 1)
+            pending_at_settle.append(len(self) + 1)
         return real(self, pending, in_step)
 
-    monkeypatch.setattr(PendingUpdateMixin, "_ls_settle", settle)
+    monkeypatch.setattr(PendingUpdates, "_settle_one", settle)
     _run(data_bin, str(tmp_path / "d"), False, monkeypatch, "--max-update", "30", "--log-interval", "100",
          "--dropout", "0", "--disable-validation", "--no-save", *precision)
     assert len(pending_at_settle) >= 4 and set(pending_at_settle) == {limit}, pending_at_settle

@@ -94,9 +94,8 @@ def test_resume_matches_uninterrupted_training(data_bin, straight_run, tmp_path)
 def test_ls_trainer_trains_exactly_like_fairseqs_trainer(data_bin, straight_run, tmp_path, monkeypatch):
     """lightseq-train's LSTrainer changes when the host waits, never what is computed."""
     save_a, records_a = straight_run
-    monkeypatch.setenv("LS_FAIRSEQ_PLAIN_TRAINER", "1")
     save_b = str(tmp_path / "plain")
-    plain = inner_by_update(train(data_bin, save_b, "--max-update", "8"))
+    plain = inner_by_update(train(data_bin, save_b, "--max-update", "8", "--ls-trainer", "off"))
     ours = inner_by_update(records_a)
     assert sorted(plain) == sorted(ours) == list(range(1, 9))
     for u in ours:
@@ -169,7 +168,7 @@ def test_plain_fairseq_generate_loads_an_ls_checkpoint(data_bin, straight_run, t
 def test_bf16_trains_on_cpu_without_tpu(data_bin, tmp_path, monkeypatch):
     """--bf16 without --tpu: starts, the model runs in bf16, the loss is finite, and the
     gradients reach the optimizer at every update (not only the first)."""
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer as Trainer
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer as Trainer
 
     seen = []
     original = Trainer.train_step

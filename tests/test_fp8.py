@@ -373,7 +373,7 @@ def test_graph_steps_head_takes_fp8_for_the_vocabulary(own_backward, first_write
     precision; evaluation mode leaves FP8 out."""
     import types
 
-    from ls_fairseq.fairseq_ext.split_step import head_step
+    from ls_fairseq.fairseq_ext.graph.split_step import head_step
     from tests.test_graph_step import _ScaledBackward, _model_and_criterion
 
     d = make_dict(60)  # 64 symbols: a multiple of 16

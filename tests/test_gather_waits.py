@@ -99,17 +99,17 @@ def test_the_forward_waits_for_every_bucket_before_it_reads_it(pre_norm):
 def test_trainer_waits_for_the_weights_outside_its_train_step():
     """LSTrainer's ``model`` (outside the train step) and ``get_model()`` wait for gathers in flight."""
     from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
 
     net = torch.nn.Linear(4, 4)
     opt = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(net.parameters()))
     log = []
     wrapped = object()
-    fake = SimpleNamespace(_optimizer=opt, _wrapped_model=wrapped, _ls_in_step=True)
-    fake._ls_wait_for_weights = lambda: LSTrainer._ls_wait_for_weights(fake)
+    fake = SimpleNamespace(_optimizer=opt, _wrapped_model=wrapped, in_step=True)
+    fake.wait_for_weights = lambda: LSTrainer.wait_for_weights(fake)
     opt._optimizer._gathers["k"] = SimpleNamespace(wait=lambda: log.append("waited"))
     assert LSTrainer.model.fget(fake) is wrapped and log == []  # the forward's hooks wait in the step
-    fake._ls_in_step = False
+    fake.in_step = False
     assert LSTrainer.model.fget(fake) is wrapped and log == ["waited"]
     assert not opt._optimizer._gathers
 

@@ -4,9 +4,9 @@ takes from the bucket plan (the GPU side is tests/gpu/test_gemm_lt_gpu.py)."""
 import pytest
 import torch
 
-from ls_fairseq.fairseq_ext import gemm_lt
-from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket
-from ls_fairseq.fairseq_ext.shape_buckets import Bucket
+from ls_fairseq.fairseq_ext.graph import gemm_lt
+from ls_fairseq.fairseq_ext.graph.packed_buckets import PackedBucket
+from ls_fairseq.fairseq_ext.graph.shape_buckets import Bucket
 
 
 def test_not_on_without_cublaslt():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket
-from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, pad_batch, plan_buckets, plan_report
+from ls_fairseq.fairseq_ext.graph.packed_buckets import PackedBucket
+from ls_fairseq.fairseq_ext.graph.shape_buckets import Bucket, batch_shapes, choose, pad_batch, plan_buckets, plan_report
 from tests._models import build_model, make_dict
 
 
@@ -139,7 +139,7 @@ def check_split_step_equals_the_criterion(bucket, normalize_before, scale="autog
     """split_step over ``bucket`` (padded or packed) gives the criterion's loss, statistics and gradients on the
     batch as it came (fp64). ``scale``: "autograd" (the head through autograd), or the loss scale (None or a
     number) of the head's own backward (the trainer's deferred step, gradients attached beforehand)."""
-    from ls_fairseq.fairseq_ext.graph_step import split_step
+    from ls_fairseq.fairseq_ext.graph.graph_step import split_step
 
     d = make_dict()
     m, crit = _model_and_criterion(d, normalize_before=normalize_before)
@@ -180,7 +180,7 @@ def test_split_step_with_the_heads_own_backward_equals_the_criterion(bucket, sca
 def test_head_step_writes_the_features_gradient_into_grad_out(own_backward):
     """The graph step hands the head its fixed gradient buffer: the same loss and gradients as without it, written
     there (stale values overwritten), with the head's own backward and through autograd."""
-    from ls_fairseq.fairseq_ext.split_step import head_step
+    from ls_fairseq.fairseq_ext.graph.split_step import head_step
 
     d = make_dict()
     m, crit = _model_and_criterion(d)
@@ -207,7 +207,7 @@ def test_head_step_writes_the_features_gradient_into_grad_out(own_backward):
 
 def test_split_step_fails_when_padding_leaks_into_the_loss():
     """The exactness test can fail: padding the bucket with a real token changes the loss."""
-    from ls_fairseq.fairseq_ext.graph_step import split_step
+    from ls_fairseq.fairseq_ext.graph.graph_step import split_step
 
     d = make_dict()
     m, crit = _model_and_criterion(d)
@@ -219,7 +219,7 @@ def test_split_step_fails_when_padding_leaks_into_the_loss():
 
 
 def test_split_step_with_right_padded_sources():
-    from ls_fairseq.fairseq_ext.graph_step import split_step
+    from ls_fairseq.fairseq_ext.graph.graph_step import split_step
 
     d = make_dict()
     m, crit = _model_and_criterion(d)
@@ -235,23 +235,32 @@ def test_split_step_with_right_padded_sources():
 
 
 # ----------------------------------------------------------------------------- the switch
-def test_graph_flags_parse_and_reach_the_options(tmp_path):
+def test_graph_flags_parse_and_reach_the_settings(tmp_path):
+    """--ls-graph-step / --ls-graph-buckets are ls_adam's options; the step reads them from the config."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
     from ls_fairseq.cli import train
+    from ls_fairseq.fairseq_ext.step.settings import StepSettings
+
+    def settings(args):
+        s = StepSettings.from_cfg(convert_namespace_to_omegaconf(args))
+        return s.graph_step, s.graph_buckets
 
     base = [str(tmp_path), "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3",
             "--criterion", "ls_label_smoothed_cross_entropy", "--max-tokens", "64", "--cpu"]
-    args = train.parse(base)
-    assert train.graph_options(args) == {"on": True, "several_gpus": False, "buckets": 64}
-    args = train.parse(base + ["--ls-graph-step", "on"])
-    assert train.graph_options(args) == {"on": True, "several_gpus": True, "buckets": 64}
-    args = train.parse(base + ["--ls-graph-step", "off", "--ls-graph-buckets", "7"])
-    assert train.graph_options(args) == {"on": False, "several_gpus": False, "buckets": 7}
+    assert settings(train.parse(base)) == ("auto", 64)
+    assert settings(train.parse(base + ["--ls-graph-step", "on"])) == ("on", 64)
+    assert settings(train.parse(base + ["--ls-graph-step", "off", "--ls-graph-buckets", "7"])) == ("off", 7)
     with pytest.raises(SystemExit):
         train.parse(base + ["--ls-graph-buckets", "0"])
+    args = train.parse(base)
+    args.ls_graph_buckets = 0  # as fairseq-train parses it: refused when the trainer reads it
+    with pytest.raises(ValueError, match="--ls-graph-buckets must be >= 1"):
+        settings(args)
 
 
 def test_a_cpu_run_says_why_it_takes_the_eager_step():
-    from ls_fairseq.fairseq_ext.graph_step import unsupported_reason
+    from ls_fairseq.fairseq_ext.graph.graph_step import unsupported_reason
 
     trainer = types.SimpleNamespace(cuda=False)
     assert unsupported_reason(trainer) == "not on a CUDA device"
@@ -262,19 +271,19 @@ def test_the_graphs_follow_a_rebuilt_optimizer():
     checkpoint) has other buffers, and the key that makes the graph step capture again changes with them."""
     from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer  # noqa: F401  (the wrapper's path)
 
-    from ls_fairseq.fairseq_ext.graph_step import GraphStep
+    from ls_fairseq.fairseq_ext.graph.graph_step import GraphStep
     from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
-    from ls_fairseq.fairseq_ext.deferred_step import _ScaledLossOptimizer
+    from ls_fairseq.fairseq_ext.step.deferred_step import ScaledLossOptimizer
 
     net = torch.nn.Linear(4, 3)
     a = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(net.parameters()))
-    key = GraphStep._buffers_key(_ScaledLossOptimizer(a, None))
+    key = GraphStep._buffers_key(ScaledLossOptimizer(a, None))
     assert key and GraphStep._buffers_key(a) == key
-    assert GraphStep._buffers_key(_ScaledLossOptimizer(a, None)) == key  # stable while the optimizer lives
+    assert GraphStep._buffers_key(ScaledLossOptimizer(a, None)) == key  # stable while the optimizer lives
     b = LSFairseqAdam(LSAdamConfig(lr=[0.1]), list(net.parameters()))
-    assert GraphStep._buffers_key(_ScaledLossOptimizer(b, None)) != key
+    assert GraphStep._buffers_key(ScaledLossOptimizer(b, None)) != key
     wrapped = types.SimpleNamespace(wrapped_optimizer=b)
-    assert GraphStep._buffers_key(_ScaledLossOptimizer(wrapped, None)) == GraphStep._buffers_key(b)
+    assert GraphStep._buffers_key(ScaledLossOptimizer(wrapped, None)) == GraphStep._buffers_key(b)
     assert GraphStep._buffers_key(torch.optim.SGD(net.parameters(), lr=0.1)) is None
 
 
@@ -282,7 +291,7 @@ def test_graph_grads_zero_only_the_head_and_zero_all_before_an_eager_micro_batch
     """begin_update attaches every p.grad to its flat view and zeroes only the output projection's slice
     (the first graphed micro-batch overwrites the rest); make_zero zeroes all of it once, before an eager
     micro-batch adds into it; an unset head gradient (an OOM's zero_grad) is noticed."""
-    from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
+    from ls_fairseq.fairseq_ext.graph.graph_grads import GraphGrads
     from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
 
     class Decoder(torch.nn.Module):
@@ -339,26 +348,24 @@ def test_graph_grads_zero_only_the_head_and_zero_all_before_an_eager_micro_batch
 def test_several_gpus_take_the_graphs_only_when_asked(monkeypatch):
     """--ls-graph-step auto (the default) leaves multi-GPU runs to the eager step and says how to turn the
     graphs on; --ls-graph-step on passes that check (the other backends are still refused)."""
-    from ls_fairseq.fairseq_ext import graph_step
+    from ls_fairseq.fairseq_ext.graph import graph_step
 
     def trainer(backend):
         cfg = types.SimpleNamespace(distributed_training=types.SimpleNamespace(ddp_backend=backend))
         return types.SimpleNamespace(cuda=True, cfg=cfg, data_parallel_world_size=2, _model=None, _criterion=None,
                                      task=None)
 
-    monkeypatch.setitem(graph_step.OPTIONS, "several_gpus", False)
     assert "--ls-graph-step on" in graph_step.unsupported_reason(trainer("legacy_ddp"))
-    monkeypatch.setitem(graph_step.OPTIONS, "several_gpus", True)
-    assert "the graphs need legacy_ddp" in graph_step.unsupported_reason(trainer("c10d"))
-    assert "model" in graph_step.unsupported_reason(trainer("legacy_ddp"))  # past the GPU checks, on to the model
+    assert "the graphs need legacy_ddp" in graph_step.unsupported_reason(trainer("c10d"), several_gpus=True)
+    assert "model" in graph_step.unsupported_reason(trainer("legacy_ddp"), several_gpus=True)  # on to the model  # past the GPU checks, on to the model
 
 
 def test_captures_are_paced_and_a_waiting_bucket_runs_in_a_captured_one_that_holds_it(monkeypatch):
     """Until the batches since the last capture have computed CAPTURE_SPACING_ROWS rows, a batch whose own bucket has
     no graphs runs in the cheapest captured bucket that holds it (if that computes at most STAND_IN_COST times as
     much); otherwise it captures. An update that waited for the GPU to finish starts the count again."""
-    from ls_fairseq.fairseq_ext import graph_step
-    from ls_fairseq.fairseq_ext.shape_buckets import Bucket
+    from ls_fairseq.fairseq_ext.graph import graph_step
+    from ls_fairseq.fairseq_ext.graph.shape_buckets import Bucket
 
     small, mid, big = Bucket(8, 16, 16), Bucket(8, 24, 24), Bucket(32, 64, 64)
     assert small.cost < mid.cost <= graph_step.STAND_IN_COST * small.cost < big.cost

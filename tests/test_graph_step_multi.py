@@ -50,9 +50,9 @@ def _graph_step_on_cpu(packed=False):
     many batches were grown to a larger bucket ("padded")."""
     from fairseq.tasks import FairseqTask
 
-    from ls_fairseq.fairseq_ext import graph_step
-    from ls_fairseq.fairseq_ext.packed_buckets import choose_packed
-    from ls_fairseq.fairseq_ext.shape_buckets import choose
+    from ls_fairseq.fairseq_ext.graph import graph_step
+    from ls_fairseq.fairseq_ext.graph.packed_buckets import choose_packed
+    from ls_fairseq.fairseq_ext.graph.shape_buckets import choose
 
     seen = {"engines": [], "losses": [], "padded": 0}
     real_reason, real_engine, real_train_step = graph_step.unsupported_reason, graph_step.GraphStep, \
@@ -85,7 +85,7 @@ def _graph_step_on_cpu(packed=False):
         seen["losses"].append(float(out[2]["loss"]))
         return out
 
-    graph_step.unsupported_reason = lambda trainer: real_reason(_AsIfOnCuda(trainer))
+    graph_step.unsupported_reason = lambda trainer, several_gpus=False: real_reason(_AsIfOnCuda(trainer), several_gpus)
     graph_step.GraphStep = CpuGraphStep
     FairseqTask.train_step = train_step
     try:
@@ -97,9 +97,9 @@ def _graph_step_on_cpu(packed=False):
 
 def _flat_reduction(engine):
     """(the reduction strategy's class name, whether ls_adam's state is sharded) of the run's ls_adam."""
-    from ls_fairseq.fairseq_ext.pending_update import _inner_and_scaler
+    from ls_fairseq.fairseq_ext.step.pending_update import unwrap_optimizer
 
-    ls_adam, _ = _inner_and_scaler(engine.trainer.optimizer)
+    ls_adam, _ = unwrap_optimizer(engine.trainer.optimizer)
     return type(ls_adam._reduction.strategy).__name__, ls_adam.sharded
 
 
@@ -176,6 +176,6 @@ def test_batches_run_in_a_larger_captured_bucket_keep_the_eager_losses(data_bin,
 
 
 def graph_step_warmup():
-    from ls_fairseq.fairseq_ext.graph_step import WARMUP_UPDATES
+    from ls_fairseq.fairseq_ext.graph.graph_step import WARMUP_UPDATES
 
     return WARMUP_UPDATES

@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from ls_fairseq.fairseq_ext.heap import settle_heap
+from ls_fairseq.fairseq_ext.step.heap import settle_heap
 
 
 class _Node:
@@ -30,30 +30,14 @@ def test_settle_heap_collects_garbage_and_freezes_the_survivors():
         gc.unfreeze()
 
 
-def test_lightseq_trains_trainer_settles_the_heap_when_built_and_at_each_epoch(monkeypatch):
-    from fairseq.trainer import Trainer
-
-    from ls_fairseq.fairseq_ext import trainer as ls_trainer
-
-    calls = []
-    monkeypatch.setattr(ls_trainer, "settle_heap", lambda: calls.append("settle"))
-    monkeypatch.setattr(ls_trainer.LSTrainer, "_ls_resolve", lambda self: calls.append("resolve"))
-    monkeypatch.setattr(Trainer, "begin_epoch", lambda self, epoch: calls.append(f"fairseq {epoch}"))
-    monkeypatch.setattr(Trainer, "__init__", lambda self, *a, **k: calls.append("fairseq init"))
-    t = ls_trainer.LSTrainer("cfg", "task", "model", "criterion")
-    assert calls == ["fairseq init", "settle"]
-    t.begin_epoch(3)
-    assert calls[2:] == ["resolve", "settle", "fairseq 3"]
-
-
 def test_lightseq_train_settles_each_epoch_and_releases_the_heap_at_the_end(data_bin, tmp_path, monkeypatch):
     """Two epochs of lightseq-train in this process: the heap is settled when the trainer is built and at each
     epoch's start, with objects frozen then, and nothing stays frozen once training returns (what the run leaves is
     collectable in a process that goes on)."""
     from _models import lightseq_train
 
-    from ls_fairseq.fairseq_ext import heap
-    from ls_fairseq.fairseq_ext import trainer as ls_trainer
+    from ls_fairseq.fairseq_ext.step import heap
+    from ls_fairseq.fairseq_ext.step import trainer as ls_trainer
 
     frozen = []
 

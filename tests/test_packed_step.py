@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from ls_fairseq.fairseq_ext.packed_buckets import (PackedBucket, batch_points, choose_packed, length_class,
+from ls_fairseq.fairseq_ext.graph.packed_buckets import (PackedBucket, batch_points, choose_packed, length_class,
                                                    length_classes, packed_report, plan_packed)
-from ls_fairseq.fairseq_ext.shape_buckets import merge_points
+from ls_fairseq.fairseq_ext.graph.shape_buckets import merge_points
 from test_graph_step import _model_and_criterion, _sample, _wmt_like_shapes, check_split_step_equals_the_criterion
 from _models import make_dict
 
@@ -148,7 +148,7 @@ def test_split_step_on_a_packed_bucket_equals_the_criterion_on_the_batch(bucket,
 def test_split_step_fails_when_the_padding_rows_join_a_sentence(monkeypatch):
     """The exactness test can fail: padding rows made of words and given to the last real sentence (its
     offsets moved) change the loss."""
-    from ls_fairseq.fairseq_ext import split_step as ss
+    from ls_fairseq.fairseq_ext.graph import split_step as ss
 
     d = make_dict()
     m, crit = _model_and_criterion(d)

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from ls_fairseq.fairseq_ext import prewarm
+from ls_fairseq.fairseq_ext.graph import prewarm
 from tests._models import make_dict
 from tests.test_graph_step import _model_and_criterion, _sample
 
@@ -71,14 +71,13 @@ def test_the_batch_is_marked_on_a_copy_as_the_eager_step_marks_it():
     import types
 
     from ls_fairseq.fairseq_ext.criterion import COUNTED_ROWS_KEY
-    from ls_fairseq.fairseq_ext.sample_prep import SRC_PADDING_KEY, SamplePrepMixin
+    from ls_fairseq.fairseq_ext.step.sample_prep import SRC_PADDING_KEY, SamplePrep
 
     d, m, crit = _model()
-    t = SamplePrepMixin()
-    t._criterion, t._model, t.task = crit, m, types.SimpleNamespace(source_dictionary=d)
+    t = SamplePrep(m, crit, d.pad())
     sample = _sample(d, [4, 6, 2], [5, 3, 6])
     keys, net_keys = set(sample), set(sample["net_input"])
-    marked = t._host_marked(sample)
+    marked = t.marked_copy(sample)
     assert set(sample) == keys and set(sample["net_input"]) == net_keys
     assert torch.equal(marked[COUNTED_ROWS_KEY], crit.counted_rows(sample["target"]))
     assert marked["net_input"][SRC_PADDING_KEY] is True  # sentences of 4 and 2 tokens beside one of 6

@@ -85,7 +85,7 @@ def test_crash_checkpoint_gathers_nothing_when_the_state_is_sharded(tmp_path):
     sharded state crash.pt is written without the optimizer state, and the setting is restored."""
     from omegaconf import OmegaConf
 
-    from ls_fairseq.fairseq_ext.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
 
     calls = []
     cfg = OmegaConf.create({"checkpoint": {"save_dir": str(tmp_path), "no_save_optimizer_state": False}})

@@ -1,13 +1,16 @@
 """LSTrainer (lightseq-train's Trainer) and lightseq-train's process-group teardown, on the CPU."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from fairseq import metrics
 
 from ls_fairseq.cli import train as ls_train
-from ls_fairseq.fairseq_ext.trainer import DeferredLoggingOutput, LSTrainer
+from ls_fairseq.fairseq_ext.step.sample_prep import SamplePrep
+from ls_fairseq.fairseq_ext.step.step_stats import DeferredLoggingOutput
+from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
 
 
 def test_deferred_logging_output_equals_fairseqs_dictionary():
@@ -25,16 +28,59 @@ def test_deferred_logging_output_equals_fairseqs_dictionary():
     assert out is not None
 
 
-def test_lightseq_train_uses_ls_trainer_unless_asked_not_to(monkeypatch):
-    class FakeModule:
+def test_the_training_loop_builds_ls_trainer_for_the_ls_components_only(monkeypatch):
+    """takeover.install points a training loop's Trainer at the choice: LSTrainer with the ls model, ls_adam and
+    the ls criterion (lightseq-train: always), fairseq's Trainer without them or with --ls-trainer off."""
+    from fairseq import trainer as fairseq_trainer
+    from omegaconf import OmegaConf
+
+    from _models import build_model, make_dict
+    from ls_fairseq.fairseq_ext import patches
+    from ls_fairseq.fairseq_ext.criterion import LSLabelSmoothedCrossEntropyCriterion
+    from ls_fairseq.fairseq_ext.step import run_checks, takeover
+    from ls_fairseq.fairseq_ext.step import trainer as ls_trainer
+
+    built = []
+    monkeypatch.setattr(fairseq_trainer, "Trainer", lambda *a: built.append("fairseq") or "F")
+    monkeypatch.setattr(ls_trainer, "LSTrainer", lambda *a: built.append("ls") or "L")
+    monkeypatch.setattr(patches, "install_for_training", lambda: built.append("patches"))
+    monkeypatch.setattr(run_checks, "prepare_checkpoints", lambda *a, **k: built.append("checkpoints"))
+    monkeypatch.setattr(run_checks, "check_data", lambda *a, **k: built.append("data"))
+
+    class Loop:
         Trainer = object
 
-    mod = FakeModule()
-    monkeypatch.delenv("LS_FAIRSEQ_PLAIN_TRAINER", raising=False)
-    assert ls_train.use_ls_trainer(mod) and mod.Trainer is LSTrainer
-    mod.Trainer = object
-    monkeypatch.setenv("LS_FAIRSEQ_PLAIN_TRAINER", "1")
-    assert not ls_train.use_ls_trainer(mod) and mod.Trainer is object
+    assert takeover.install(Loop) and Loop.Trainer is not object
+    d = make_dict(20)
+    model = build_model("ls_transformer_tiny", d)
+    crit = LSLabelSmoothedCrossEntropyCriterion(SimpleNamespace(target_dictionary=d, source_dictionary=d), False, 0.1)
+
+    def cfg(optimizer="ls_adam", ls_trainer="auto"):
+        return OmegaConf.create({
+            "common": {"fp16": False, "bf16": True, "tpu": True, "memory_efficient_fp16": False,
+                       "memory_efficient_bf16": False},
+            "optimizer": {"_name": optimizer, "ls_trainer": ls_trainer},
+            "dataset": {"grouped_shuffling": False, "update_epoch_batch_itr": False},
+            "distributed_training": {"distributed_world_size": 1, "distributed_rank": 0, "ddp_backend": "pytorch_ddp",
+                                     "bucket_cap_mb": 25},
+        })
+
+    c = cfg()
+    assert Loop.Trainer(c, "task", model, crit) == "L"
+    assert built == ["patches", "checkpoints", "data", "ls"]
+    assert c.common.tpu is False and c.common.memory_efficient_bf16 is True  # bf16 on the GPU, ls_adam's masters
+    built.clear()
+    c = cfg(optimizer="adam")
+    assert Loop.Trainer(c, "task", model, crit) == "F" and built == ["fairseq"]
+    assert c.common.tpu is True  # a run without the ls components: fairseq's, unchanged
+    built.clear()
+    assert Loop.Trainer(cfg(), "task", torch.nn.Linear(2, 2), crit) == "F" and built == ["fairseq"]
+    built.clear()
+    assert Loop.Trainer(cfg(ls_trainer="off"), "task", model, crit) == "F" and built == ["fairseq"]
+    built.clear()
+    assert takeover.install(Loop, always=True)
+    assert Loop.Trainer(cfg(optimizer="adam"), "task", model, crit) == "L"
+    assert takeover.install(Loop) and Loop.Trainer.ls_fairseq_always  # lightseq-train's choice stays
 
 
 def test_process_group_is_destroyed_after_training(tmp_path):
@@ -76,9 +122,12 @@ def test_training_mode_walk_is_skipped_only_while_the_roots_stay_in_training(mon
 
     monkeypatch.setattr(nn.Module, "train", counting_train)
     monkeypatch.setattr(Trainer, "train_step", fake_train_step)
-    monkeypatch.setattr(LSTrainer, "_deferred_step_applies", lambda self: False)
+    monkeypatch.setattr(LSTrainer, "_step_for", lambda self, optimizer: None)  # fairseq's step body
     trainer = LSTrainer.__new__(LSTrainer)
-    trainer._wrapped_model, trainer._wrapped_criterion = model, criterion
+    trainer._wrapped_model, trainer._wrapped_criterion, trainer._optimizer = model, criterion, "optimizer"
+    trainer.in_step, trainer.train_mode_set = False, False
+    trainer.graph_setup = SimpleNamespace(join_prewarm=lambda: None)
+    trainer.pending = SimpleNamespace(settle=lambda: None)
     model.eval()
 
     assert trainer.train_step([]) and walks  # first step: the full walk
@@ -103,13 +152,12 @@ def test_counted_rows_found_on_the_host_for_ls_models_only():
     _, _, _, tgt = random_batch(d)
     task = SimpleNamespace(target_dictionary=d, source_dictionary=d)
     crit = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1)
-    trainer = LSTrainer.__new__(LSTrainer)
-    trainer._criterion, trainer._model = crit, build_model("ls_transformer_tiny", d)
-    rows = trainer._counted_rows({"target": tgt})
+    prep = SamplePrep(build_model("ls_transformer_tiny", d), crit, d.pad())
+    rows = prep.counted_rows({"target": tgt})
     assert torch.equal(rows, tgt.reshape(-1).ne(d.pad()).nonzero().squeeze(1))
-    assert trainer._counted_rows({"net_input": {}}) is None  # no target
-    trainer._model = nn.Linear(2, 2)  # not an ls_transformer: its forward takes no logit_rows
-    assert trainer._counted_rows({"target": tgt}) is None
+    assert prep.counted_rows({"net_input": {}}) is None  # no target
+    prep = SamplePrep(nn.Linear(2, 2), crit, d.pad())  # not an ls_transformer: its forward takes no logit_rows
+    assert prep.counted_rows({"target": tgt}) is None
 
 
 def test_per_update_seed_leaves_fairseqs_generator_state(monkeypatch):
@@ -118,7 +166,7 @@ def test_per_update_seed_leaves_fairseqs_generator_state(monkeypatch):
     sends the call to fairseq's own seeding."""
     from fairseq import utils
 
-    from ls_fairseq.fairseq_ext import trainer as tr
+    from ls_fairseq.fairseq_ext.step import trainer as tr
 
     for seed in (1, 12345, 2**40 + 7):
         utils.set_torch_seed(seed)
@@ -131,7 +179,7 @@ def test_per_update_seed_leaves_fairseqs_generator_state(monkeypatch):
         tr.seed_generators(1.0)
 
     class _Trainer:  # the two attributes _set_seed reads
-        cfg = type("C", (), {"common": type("D", (), {"seed": 3})})()
+        settings = SimpleNamespace(seed=3)
 
         def get_num_updates(self):
             return 40
@@ -154,7 +202,7 @@ def test_per_update_seed_leaves_fairseqs_generator_state(monkeypatch):
 def test_step_labels_reach_a_running_profiler_only():
     from torch.profiler import ProfilerActivity, profile
 
-    from ls_fairseq.fairseq_ext.deferred_step import _label
+    from ls_fairseq.fairseq_ext.step.deferred_step import _label
 
     assert not torch.autograd._profiler_enabled()
     with _label("optimizer") as got:
@@ -166,7 +214,7 @@ def test_step_labels_reach_a_running_profiler_only():
 
 
 def test_step_timing_summary_takes_medians_after_the_warm_up():
-    from ls_fairseq.fairseq_ext.trainer import step_timing_summary
+    from ls_fairseq.fairseq_ext.step.step_timing import step_timing_summary
 
     assert step_timing_summary([], [], [], []) is None
     # 8 updates of two micro-batches; the first two (a quarter) are slow warm-up updates
@@ -191,7 +239,7 @@ def test_step_timing_summary_takes_medians_after_the_warm_up():
 
 
 def test_host_sections_summary_gives_medians_after_the_warm_up():
-    from ls_fairseq.fairseq_ext.trainer import host_sections_summary
+    from ls_fairseq.fairseq_ext.step.step_timing import host_sections_summary
 
     assert host_sections_summary({}) is None
     sections = {"forward and backward": [50.0, 40.0, 10.0, 12.0, 11.0, 30.0, 10.5, 11.5],

@@ -136,7 +136,7 @@ def train(cfg, trainer: DeepSpeedTrainer, epoch_itr):
     from fairseq.data import iterators
     from fairseq.logging import metrics, progress_bar
 
-    from ls_fairseq.fairseq_ext.heap import settle_heap
+    from ls_fairseq.fairseq_ext.step.heap import settle_heap
 
     max_epoch = cfg.optimization.max_epoch or math.inf
     max_update = cfg.optimization.max_update or math.inf
@@ -195,7 +195,7 @@ def main(args) -> None:
     from fairseq.logging import metrics
     from omegaconf import open_dict
 
-    from ls_fairseq.fairseq_ext.heap import release_heap
+    from ls_fairseq.fairseq_ext.step.heap import release_heap
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

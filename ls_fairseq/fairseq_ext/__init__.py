@@ -6,7 +6,9 @@ however many times ``--user-dir`` or ``lightseq-*`` ask for it, so nothing is re
 twice (fairseq raises on a duplicate name).
 """
 
-from ls_fairseq.fairseq_ext import compat  # noqa: F401  (fairseq-fixed fixes, before anything loads)
+from ls_fairseq.fairseq_ext import patches
+
+patches.install_at_import()  # fairseq-fixed fixes, before anything loads; the training loop's trainer choice
 from ls_fairseq.fairseq_ext import model  # noqa: F401
 from ls_fairseq.fairseq_ext import criterion  # noqa: F401
 from ls_fairseq.fairseq_ext import optimizer  # noqa: F401

@@ -77,6 +77,9 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--label-smoothing must be in [0, 1), got {label_smoothing}")
         if ignore_prefix_size < 0:
             raise ValueError(f"--ignore-prefix-size must be >= 0, got {ignore_prefix_size}")
+        from ls_fairseq.fairseq_ext.step import takeover
+
+        takeover.install()  # fairseq's training loop, when imported after the plugin, builds LSTrainer for it
 
     def forward(self, model, sample, reduce=True):
         """fairseq's (loss, sample_size, logging_output); with an ls_transformer model the logits

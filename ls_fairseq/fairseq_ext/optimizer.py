@@ -36,15 +36,34 @@ from typing import Any, List
 
 from omegaconf import II, OmegaConf
 
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 
+from ls_fairseq.fairseq_ext.step.settings import DEFAULT_GRAPH_BUCKETS
 from ls_fairseq.fairseq_ext.wrappers import wrapper_chain
 from ls_fairseq.optim.adam import LSAdam, check_hyperparams
 from ls_fairseq.optim.buckets import DEFAULT_BUCKET_MB
 from ls_fairseq import env
 
 logger = logging.getLogger(__name__)
+
+
+LS_TRAINER_CHOICES = ChoiceEnum(["auto", "off"])
+GRAPH_STEP_CHOICES = ChoiceEnum(["auto", "on", "off"])
+LS_TRAINER_HELP = (
+    "auto: train on ls_fairseq's trainer (the deferred step, CUDA graphs, pinned batch copies): always in "
+    "lightseq-train, in fairseq-train when the model is an ls_transformer and the criterion "
+    "ls_label_smoothed_cross_entropy; off: fairseq's own Trainer")
+GRAPH_STEP_HELP = (
+    "replay each micro-batch's forward and backward from CUDA graphs (ls_transformer, "
+    "ls_label_smoothed_cross_entropy; batches are grown to a few fixed shapes, packed or padded, which leaves "
+    "the loss and gradients unchanged). auto: on one GPU; on several GPUs the eager step, whose gradient "
+    "all-reduce overlaps the backward (on: the graphs there too, with the all-reduce after the backward); off: "
+    "the eager step. Runs that cannot take it use the eager step and say why in the log")
+GRAPH_BUCKETS_HELP = (
+    "at most this many batch shapes (one pair of CUDA graphs each) for --ls-graph-step: packed buckets (the "
+    "real tokens back to back) in fp16 / bf16, padded ones in fp32; fewer buckets capture faster but compute "
+    "more padding")
 
 
 @dataclass
@@ -55,6 +74,10 @@ class LSAdamConfig(FairseqDataclass):
     lr: List[float] = II("optimization.lr")
     # fairseq's --bucket-cap-mb: the bucket size of the all-reduce overlapped with the backward
     bucket_cap_mb: int = II("distributed_training.bucket_cap_mb")
+    # the training step (ls_fairseq/fairseq_ext/step, docs/step.md): options of ls_adam, which the step needs
+    ls_trainer: LS_TRAINER_CHOICES = field(default="auto", metadata={"help": LS_TRAINER_HELP})
+    ls_graph_step: GRAPH_STEP_CHOICES = field(default="auto", metadata={"help": GRAPH_STEP_HELP})
+    ls_graph_buckets: int = field(default=DEFAULT_GRAPH_BUCKETS, metadata={"help": GRAPH_BUCKETS_HELP})
 
 
 def parse_betas(betas):
@@ -85,6 +108,8 @@ class LSFairseqAdam(FairseqOptimizer):
         self._optimizer = LSAdam(params, **self.optimizer_config)
         self._shard_requested = False
         self._after_backward_only = None
+        self.driven_by_ls_trainer = False  # LSTrainer takes the update's step (set by it)
+        self._said_trainer = False
         ws = self._optimizer.workspaces
         logger.info(
             "ls_adam: %d parameters in %s",
@@ -110,11 +135,12 @@ class LSFairseqAdam(FairseqOptimizer):
         return self._optimizer.clip_grad_norm(max_norm, aggregate_norm_fn)
 
     def step(self, closure=None, scale=1.0, groups=None, with_norm=False):
-        if not self.__dict__.get("_ls_trainer") and not self.__dict__.get("_said_trainer"):
+        if not self.driven_by_ls_trainer and not self._said_trainer:
             self._said_trainer = True
             if any(p.is_cuda for g in self._optimizer.param_groups for p in g["params"]):
-                logger.info("ls_adam under fairseq's own Trainer (fairseq-train): the deferred step and the CUDA-graph "
-                            "step of lightseq-train are not used; run lightseq-train with the same flags for them")
+                logger.info("ls_adam under fairseq's own Trainer: the deferred step and the CUDA-graph step are not "
+                            "used (they come with an ls_transformer, ls_label_smoothed_cross_entropy and "
+                            "--ls-trainer auto)")
         return self._optimizer.step(closure, scale=scale, with_norm=with_norm)
 
     def request_sharding(self, on=True):

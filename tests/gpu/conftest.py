@@ -18,7 +18,7 @@ def _needs_kernels():
     if _ext.get() is None:
         pytest.fail(f"ls_fairseq._C is not available on a CUDA machine: {_ext.reason()}")
     yield
-    from ls_fairseq.fairseq_ext import gemm_lt
+    from ls_fairseq.fairseq_ext.graph import gemm_lt
 
     gemm_lt.disable()  # a run of the CUDA-graph step in this process leaves the products on cuBLASLt
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ls_fairseq import _ext
-from ls_fairseq.fairseq_ext import gemm_lt
+from ls_fairseq.fairseq_ext.graph import gemm_lt
 
 pytestmark = pytest.mark.gpu
 

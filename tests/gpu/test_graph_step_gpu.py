@@ -92,7 +92,7 @@ def test_graphs_are_captured_again_after_every_graph_was_dropped(corpus, tmp_pat
     """A rebuilt optimizer (new flat buffers) drops every graph, and their memory pool goes with them: the
     captures after that must take a new pool and the graphs carry on (not the eager step, not a crash).
     Here the optimizer's buffer key changes every 40 micro-batches."""
-    from ls_fairseq.fairseq_ext import graph_step
+    from ls_fairseq.fairseq_ext.graph import graph_step
     from tests._models import lightseq_train, log_lines
 
     real, calls = graph_step.GraphStep._buffers_key, [0]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ls_fairseq.fairseq_ext.trainer import pin_sample
+from ls_fairseq.fairseq_ext.step.sample_prep import pin_sample
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ def test_per_update_seed_leaves_fairseqs_generator_state_on_every_gpu():
     directly (no fallback to fairseq's call): the states equal those fairseq's set_torch_seed leaves."""
     from fairseq import utils
 
-    from ls_fairseq.fairseq_ext import trainer as tr
+    from ls_fairseq.fairseq_ext.step import trainer as tr
 
     torch.zeros(1, device="cuda")  # CUDA initialised, as in training
     assert torch.cuda.is_initialized()

@@ -3,12 +3,12 @@
 An eager ls_transformer micro-batch launches several hundred kernels; on a host that launches
 slower than the GPU runs them, the GPU idles between kernels. Here each batch is grown to one of
 a few fixed shapes, its bucket: in fp16 / bf16 its real tokens packed back to back and grown to fixed
-row counts (:mod:`ls_fairseq.fairseq_ext.packed_buckets`), in fp32 its sentences padded to fixed
-lengths (:mod:`ls_fairseq.fairseq_ext.shape_buckets`; fp32 has no attention kernel over packed
+row counts (:mod:`ls_fairseq.fairseq_ext.graph.packed_buckets`), in fp32 its sentences padded to fixed
+lengths (:mod:`ls_fairseq.fairseq_ext.graph.shape_buckets`; fp32 has no attention kernel over packed
 sentences whose dropout backward is right). Per bucket, the model's body (encoder, decoder up to its
 final layer norm) is captured once as two CUDA graphs: its forward, and its backward from the
 gradient of the decoder features into the parameters' gradient buffers (the arithmetic of both:
-:mod:`ls_fairseq.fairseq_ext.split_step`). A micro-batch is then:
+:mod:`ls_fairseq.fairseq_ext.graph.split_step`). A micro-batch is then:
 
 1. the grown batch copied to the GPU in one transfer, into the bucket's fixed input tensors;
 2. the forward graph replayed: the decoder features land in a fixed buffer;
@@ -16,12 +16,12 @@ gradient of the decoder features into the parameters' gradient buffers (the arit
    counted target positions, one cross-entropy pass that computes the loss and writes the gradient
    of the scaled loss over the logits, and the projection's two backward GEMMs, which add into the
    output projection's gradient and write the features' gradient (a handful of kernels, no autograd:
-   :func:`~ls_fairseq.fairseq_ext.split_step.head_step`);
+   :func:`~ls_fairseq.fairseq_ext.graph.split_step.head_step`);
 4. the backward graph replayed: the linear layers' weight-gradient GEMMs write straight into
    ls_adam's flat gradient buffer, and the graph's last kernels move the other body gradients
    (biases, layer norms) there: overwriting for an update of one micro-batch (the buffer is not
    zeroed beforehand), adding for the micro-batches of ``--update-freq`` > 1
-   (:mod:`ls_fairseq.fairseq_ext.graph_grads`).
+   (:mod:`ls_fairseq.fairseq_ext.graph.graph_grads`).
 
 The loss, the gradients and the logged statistics are those of the batch as fairseq made it (padding
 is ignored by the masks and the loss, or forms sentences of its own that the loss never reads). Dropout stays random:
@@ -42,7 +42,7 @@ graphs are captured on a bucket's first batch after a short eager warm-up (libra
 kernel attributes), paced (CAPTURE_SPACING_ROWS: until a few batches have run since the last
 capture, a batch whose bucket waits for its graphs runs in a larger captured bucket). Each graph
 is instantiated on a helper thread while this one captures the next, and the host, which without
-a loss scale runs up to five updates ahead of the GPU (:mod:`ls_fairseq.fairseq_ext.pending_update`),
+a loss scale runs up to five updates ahead of the GPU (:mod:`ls_fairseq.fairseq_ext.step.pending_update`),
 captures while the GPU works through the updates queued before. :class:`GraphStep` says once in
 the log why a run or a batch takes the eager step instead.
 """
@@ -54,19 +54,16 @@ from typing import Dict, Optional, Union
 import numpy as np
 import torch
 
-from ls_fairseq.fairseq_ext.graph_grads import GraphGrads
-from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
-from ls_fairseq.fairseq_ext.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
-from ls_fairseq.fairseq_ext.split_step import (PACKED_KEYS, body, body_packed, head_step, logging_output, pack_sample,
+from ls_fairseq.fairseq_ext.graph.graph_grads import GraphGrads
+from ls_fairseq.fairseq_ext.step.settings import DEFAULT_GRAPH_BUCKETS
+from ls_fairseq.fairseq_ext.graph.packed_buckets import PackedBucket, batch_points, choose_packed, packed_report, plan_packed
+from ls_fairseq.fairseq_ext.graph.shape_buckets import Bucket, batch_shapes, choose, plan_buckets, plan_report
+from ls_fairseq.fairseq_ext.graph.split_step import (PACKED_KEYS, body, body_packed, head_step, logging_output, pack_sample,
                                                packed_inputs, packing_shape, padded_inputs, split_step)
 
 logger = logging.getLogger("fairseq.trainer")
 
-DEFAULT_BUCKETS = 64
-# Set by lightseq-train (--ls-graph-step, --ls-graph-buckets) in every training process before the
-# trainer is built; LSTrainer reads it when it takes its first step.
-# several_gpus: also in multi-GPU runs (--ls-graph-step on; auto leaves those to the eager step).
-OPTIONS = {"on": False, "several_gpus": False, "buckets": DEFAULT_BUCKETS}
+DEFAULT_BUCKETS = DEFAULT_GRAPH_BUCKETS
 WARMUP_UPDATES = 1  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
 # Capture pacing. A capture costs the host about two eager micro-batches; captured back to back (the first
 # hundred updates meet most buckets), they outrun the GPU work queued before them and the GPU waits. Until the
@@ -87,14 +84,15 @@ def _staging_buffers() -> int:
     """Pinned staging buffers for the batches' transfers: one per batch that may be in flight, for the updates that
     may be pending with --update-freq up to 3 (beyond that the buffers, not the pending limit, bound how far the
     host runs ahead)."""
-    from ls_fairseq.fairseq_ext import pending_update
+    from ls_fairseq.fairseq_ext.step import pending_update
 
     return 3 * pending_update.PENDING_WITHOUT_SCALE + 1
 
 
 # ----------------------------------------------------------------------------- eligibility
-def unsupported_reason(trainer) -> Optional[str]:
-    """Why this run cannot take the CUDA-graph step (None when it can)."""
+def unsupported_reason(trainer, several_gpus: bool = False) -> Optional[str]:
+    """Why this run cannot take the CUDA-graph step (None when it can). ``several_gpus``: the graphs on several
+    GPUs too (``--ls-graph-step on``; ``auto`` leaves those to the eager step)."""
     from fairseq.tasks import FairseqTask
     from fairseq.tasks.translation import TranslationTask
 
@@ -106,7 +104,7 @@ def unsupported_reason(trainer) -> Optional[str]:
     cfg = trainer.cfg
     model, criterion, task = trainer._model, trainer._criterion, trainer.task
     if trainer.data_parallel_world_size > 1:
-        if not OPTIONS.get("several_gpus"):
+        if not several_gpus:
             return ("several GPUs with --ls-graph-step auto: the eager step, whose gradient all-reduce overlaps the "
                     "backward; --ls-graph-step on replays the graphs on every GPU")
         backend = cfg.distributed_training.ddp_backend
@@ -133,7 +131,7 @@ def unsupported_reason(trainer) -> Optional[str]:
 class _Graphs:
     """One bucket's captured forward and backward and the views they read and write. The backward
     writes all body gradients into the flat gradient buffer, for ``mode``
-    (:mod:`ls_fairseq.fairseq_ext.graph_grads`)."""
+    (:mod:`ls_fairseq.fairseq_ext.graph.graph_grads`)."""
 
     def __init__(self, fwd, bwd, mode, feats, grad):
         self.fwd, self.bwd, self.mode = fwd, bwd, mode
@@ -141,7 +139,7 @@ class _Graphs:
 
 
 class GraphStep:
-    """The CUDA-graph micro-batch of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer` (module
+    """The CUDA-graph micro-batch of :class:`~ls_fairseq.fairseq_ext.step.trainer.LSTrainer` (module
     docstring). :meth:`micro_batch` returns None for a batch it leaves to the eager step.
 
     ``replay=False``: each batch is padded to its bucket and runs :func:`split_step` instead of the
@@ -246,7 +244,7 @@ class GraphStep:
     # ------------------------------------------------------------------ the gradient buffers
     def begin_update(self, ls_adam, micro_batches: int = 1) -> None:
         """Before an update's ``micro_batches``: :meth:`GraphGrads.begin_update
-        <ls_fairseq.fairseq_ext.graph_grads.GraphGrads.begin_update>`."""
+        <ls_fairseq.fairseq_ext.graph.graph_grads.GraphGrads.begin_update>`."""
         self.grads.begin_update(ls_adam, micro_batches)
 
     def end_micro_batches(self) -> None:

@@ -1,6 +1,6 @@
 """LS_FAIRSEQ_STEP_TIMING=1: where the time of a training update goes.
 
-:class:`_StepTimer` records, for the deferred step of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`
+:class:`StepTimer` records, for the deferred step of :class:`~ls_fairseq.fairseq_ext.step.trainer.LSTrainer`
 on CUDA, the GPU time of each micro-batch's forward and backward, of each whole update, of its part
 after the last backward and of the gap between updates (CUDA events, read when the update is settled),
 and the host time of each part of the train step. :func:`step_timing_summary` and
@@ -72,7 +72,7 @@ def host_sections_summary(sections, skip=0.25):
             if parts else None)
 
 
-class _StepTimer:
+class StepTimer:
     """``LS_FAIRSEQ_STEP_TIMING=1`` (CUDA, deferred step): GPU milliseconds of every micro-batch's
     forward + backward, of every whole update, of its part after the last backward, and of the
     time between updates, from CUDA events read when the update is settled (no extra waits); a

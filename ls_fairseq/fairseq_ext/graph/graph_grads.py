@@ -35,7 +35,7 @@ import torch
 
 
 class GraphGrads:
-    """The gradient side of :class:`~ls_fairseq.fairseq_ext.graph_step.GraphStep` (module docstring)."""
+    """The gradient side of :class:`~ls_fairseq.fairseq_ext.graph.graph_step.GraphStep` (module docstring)."""
 
     def __init__(self, model, world_size: int = 1, sinks=None):
         self.model = model

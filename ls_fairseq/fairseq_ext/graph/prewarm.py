@@ -75,7 +75,7 @@ class Prewarm:
             with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
                 self._first_batch()
                 if cuda and self.preload_tokens:
-                    from ls_fairseq.fairseq_ext import gemm_lt
+                    from ls_fairseq.fairseq_ext.graph import gemm_lt
 
                     vocab = self.replica.decoder.output_projection.weight.shape[0]
                     self.preloaded = gemm_lt.preload(self.preload_tokens, skip_size=vocab)

@@ -1,10 +1,9 @@
-"""A batch on its way to the GPU: what LSTrainer does to it while it is still on the host.
+"""A batch on its way to the GPU: what is done to it while it is still on the host.
 
 The batch is copied from pinned memory (a copy from pageable memory waits for the whole stream to
 drain), and, with an ls_transformer, the target positions ls_label_smoothed_cross_entropy counts and
 whether the source has padding are found on the host copy (on the GPU either would make the forward
-wait for the device). :class:`SamplePrepMixin` holds methods of
-:class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
+wait for the device).
 """
 
 import torch
@@ -30,59 +29,64 @@ def pin_sample(sample):
     return utils.apply_to_sample(_pin, sample)
 
 
-class SamplePrepMixin:
-    """LSTrainer's preparation of a sample (fairseq's ``_prepare_sample`` and its fp16/bf16 conversion)."""
+class SamplePrep:
+    """The host-side preparation of a training batch for ``model`` and ``criterion``.
 
-    def _fp_convert_sample(self, sample):
-        """fairseq's conversion of float32 sample tensors to fp16 / bf16, with the flags read once."""
-        knobs = self._knobs()
-        if knobs.fp16:
+    ``pad``: the source dictionary's padding index; ``fp16`` / ``bf16``: the precision the float
+    tensors of a batch are converted to."""
+
+    def __init__(self, model, criterion, pad: int, fp16: bool = False, bf16: bool = False):
+        self.criterion = criterion
+        self.pad = pad
+        self.fp16, self.bf16 = bool(fp16), bool(bf16)
+        self.marks = takes_logit_rows(model)  # an ls_transformer: it reads the host marks
+        self.counts_rows = self.marks and isinstance(criterion, LSLabelSmoothedCrossEntropyCriterion)
+
+    def to_precision(self, sample):
+        """fairseq's conversion of float32 sample tensors to fp16 / bf16."""
+        if self.fp16:
             sample = utils.apply_to_sample(lambda t: t.to(dtype=torch.half) if t.dtype is torch.float32 else t, sample)
-        if knobs.bf16:
+        if self.bf16:
             sample = utils.apply_to_sample(
                 lambda t: t.to(dtype=torch.bfloat16) if t.dtype is torch.float32 else t, sample)
         return sample
 
-    def _prepare_sample(self, sample, is_dummy=False):
-        if self.cuda and not self.pipeline_model_parallel and isinstance(sample, dict) and len(sample) > 0:
-            self._mark_on_host(sample)
-            sample = pin_sample(sample)  # the counted rows too
-        return super()._prepare_sample(sample, is_dummy)
+    def for_copy(self, sample):
+        """The host ``sample`` marked (:meth:`mark`) and pinned, ready for an asynchronous copy."""
+        self.mark(sample)
+        return pin_sample(sample)  # the counted rows too
 
-    def _mark_on_host(self, sample):
+    def mark(self, sample) -> None:
         """Add to the host ``sample`` what is found there before it moves: the counted target positions and
         whether the source has padding."""
-        rows = self._counted_rows(sample)
-        self._mark_source_padding(sample)
+        rows = self.counted_rows(sample)
+        self.mark_source_padding(sample)
         if rows is not None:
             sample[COUNTED_ROWS_KEY] = rows
 
-    def _host_marked(self, sample):
-        """A shallow copy of the host ``sample``, marked as :meth:`_prepare_sample` marks it (``sample`` itself is
-        not changed)."""
+    def marked_copy(self, sample):
+        """A shallow copy of the host ``sample``, marked as :meth:`mark` marks it (``sample`` is not changed)."""
         sample = dict(sample)
         if isinstance(sample.get("net_input"), dict):
             sample["net_input"] = dict(sample["net_input"])
-        self._mark_on_host(sample)
+        self.mark(sample)
         return sample
 
-    def _counted_rows(self, sample):
+    def counted_rows(self, sample):
         """The target positions ls_label_smoothed_cross_entropy counts, found on the host while the
         target is still there (on the GPU the dynamic size would make the forward wait for the device)."""
-        criterion = self.__dict__.get("_criterion")
         target = sample.get("target")
-        if not isinstance(criterion, LSLabelSmoothedCrossEntropyCriterion) or not torch.is_tensor(target):
+        if not self.counts_rows or not torch.is_tensor(target):
             return None
-        if target.device.type != "cpu" or COUNTED_ROWS_KEY in sample or not takes_logit_rows(self._model):
+        if target.device.type != "cpu" or COUNTED_ROWS_KEY in sample:
             return None
-        return criterion.counted_rows(target)
+        return self.criterion.counted_rows(target)
 
-    def _mark_source_padding(self, sample):
+    def mark_source_padding(self, sample) -> None:
         """Tell an ls_transformer whether the source has padding, read from the host copy of the batch."""
         net_input = sample.get("net_input")
-        if not isinstance(net_input, dict) or SRC_PADDING_KEY in net_input:
+        if not self.marks or not isinstance(net_input, dict) or SRC_PADDING_KEY in net_input:
             return
         src = net_input.get("src_tokens")
-        if not torch.is_tensor(src) or src.device.type != "cpu" or not takes_logit_rows(self._model):
-            return
-        net_input[SRC_PADDING_KEY] = bool(src.eq(self.task.source_dictionary.pad()).any())
+        if torch.is_tensor(src) and src.device.type == "cpu":
+            net_input[SRC_PADDING_KEY] = bool(src.eq(self.pad).any())

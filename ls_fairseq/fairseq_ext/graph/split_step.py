@@ -1,17 +1,17 @@
 """The arithmetic of the CUDA-graph step, without graphs: a batch grown to its bucket, the model's body (what
-the graphs hold), the head (eager) and the two backwards. :mod:`ls_fairseq.fairseq_ext.graph_step` captures
+the graphs hold), the head (eager) and the two backwards. :mod:`ls_fairseq.fairseq_ext.graph.graph_step` captures
 and replays the body; :func:`split_step` runs the same on any device (the tests check it on the CPU).
 
-Two kinds of bucket: padded (:class:`~ls_fairseq.fairseq_ext.shape_buckets.Bucket`, sentences padded to fixed
-lengths) and packed (:class:`~ls_fairseq.fairseq_ext.packed_buckets.PackedBucket`, the real tokens back to back,
+Two kinds of bucket: padded (:class:`~ls_fairseq.fairseq_ext.graph.shape_buckets.Bucket`, sentences padded to fixed
+lengths) and packed (:class:`~ls_fairseq.fairseq_ext.graph.packed_buckets.PackedBucket`, the real tokens back to back,
 grown to fixed row counts). Either way the loss, the gradients and the logged statistics are those of the batch
 as fairseq made it (padding is ignored by the masks and the loss, or never computed)."""
 
 import torch
 
-from ls_fairseq.fairseq_ext.packed_buckets import PackedBucket
+from ls_fairseq.fairseq_ext.graph.packed_buckets import PackedBucket
 from ls_fairseq.fairseq_ext.packing import pack_batch, pad_packing
-from ls_fairseq.fairseq_ext.shape_buckets import Bucket, pad_batch
+from ls_fairseq.fairseq_ext.graph.shape_buckets import Bucket, pad_batch
 
 # the packing's device tensors, in the order the graph step uploads them (cu_* travel as int64)
 PACKED_KEYS = ("src_tokens", "src_positions", "cu_src", "tgt_tokens", "tgt_positions", "cu_tgt")

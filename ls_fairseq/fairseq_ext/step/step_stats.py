@@ -2,12 +2,10 @@
 
 * :class:`DeferredLoggingOutput`: the dictionary ``train_step`` returns, computed from the step's
   meters when something first reads it (it may settle an update still on the GPU first);
-* :class:`_SummedLogs` and :meth:`StepStatsMixin._sum_stats_on_device`: with several ranks, the
-  logging outputs and the sample size summed across ranks in one all-reduce on the device, read
-  back on the host only when the update is settled;
-* :meth:`StepStatsMixin._log_step_stats`: what fairseq's ``_reduce_and_log_stats`` logs for one update.
-
-:class:`StepStatsMixin` holds methods of :class:`~ls_fairseq.fairseq_ext.trainer.LSTrainer`.
+* :class:`SummedLogs` and :meth:`StepStats.sum_on_device`: with several ranks, the logging outputs and
+  the sample size summed across ranks in one all-reduce on the device, read back on the host only when
+  the update is settled;
+* :meth:`StepStats.log`: what fairseq's ``_reduce_and_log_stats`` logs for one update.
 """
 
 import logging
@@ -33,7 +31,8 @@ class DeferredLoggingOutput(Mapping):
         self._resolve = resolve
         self._values = None
 
-    def _settle(self, agg, sample_size):
+    def settle(self, agg, sample_size):
+        """The settled update's aggregator and sample size (None, None: it overflowed and logs nothing)."""
         self._agg, self._sample_size = agg, sample_size
 
     def _get(self):
@@ -64,7 +63,7 @@ class DeferredLoggingOutput(Mapping):
         return repr(self._get())
 
 
-class _SummedLogs:
+class SummedLogs:
     """Where each summed logging output sits in the all-reduced statistics buffer; ``read`` turns
     the host copy of that buffer into fairseq's one-element list of logging outputs (Python
     numbers, or CPU tensors for outputs with more than one element)."""
@@ -83,15 +82,23 @@ class _SummedLogs:
         return [out]
 
 
-class StepStatsMixin:
-    """LSTrainer's statistics: summed across ranks on the device, logged as fairseq logs them."""
+class StepStats:
+    """The statistics of an update: summed across the ranks of ``group()`` on ``device``, logged through
+    ``task.reduce_metrics`` with ``criterion`` as fairseq logs them."""
 
-    def _sum_stats_on_device(self, logging_outputs, *extra_stats, ignore=False):
+    def __init__(self, task, criterion, device, group):
+        self.task = task
+        self.criterion = criterion
+        self.device = device
+        self.group = group  # () -> the data-parallel process group (fairseq makes it lazily)
+        self.warned = set()
+
+    def sum_on_device(self, logging_outputs, *extra_stats, ignore=False):
         """fairseq's _fast_stat_sync_sum without host waits: one all-reduce of a double buffer on the
         device; host numbers reach it through pinned memory.
 
         Returns the summed ``extra_stats`` as device tensors, the summed buffer and a
-        :class:`_SummedLogs` that rebuilds the summed logging outputs from a host copy of that
+        :class:`SummedLogs` that rebuilds the summed logging outputs from a host copy of that
         buffer. The logging outputs are read only when the update is settled, from host numbers:
         as device tensors, fairseq's meters would test their weights (``n > 0``) on the host and
         wait for the GPU at every update."""
@@ -118,7 +125,7 @@ class StepStatsMixin:
             parts.append(host_vals)
         parts += [v.detach().to(torch.double).reshape(-1) for _, _, v in dev]
         buf = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.double, device=self.device)
-        distributed_utils.all_reduce(buf, group=self.data_parallel_process_group)
+        distributed_utils.all_reduce(buf, group=self.group())
         stats, layout, pos = [None] * len(extra_stats), [], 0
         for is_stat, key, v in host + dev:  # the order of buf
             shape = tuple(v.shape) if on_device(v) else ()
@@ -127,9 +134,9 @@ class StepStatsMixin:
             else:
                 layout.append((key, pos, shape))
             pos += math.prod(shape)
-        return stats, buf, (_SummedLogs(layout) if logging_outputs else None)
+        return stats, buf, (SummedLogs(layout) if logging_outputs else None)
 
-    def _log_step_stats(self, logging_outputs, grad_norm, clip):
+    def log(self, logging_outputs, grad_norm, clip):
         """What fairseq's _reduce_and_log_stats logs for one update; returns the step's aggregator."""
         if grad_norm is not None:
             metrics.log_speed("ups", 1.0, priority=100, round=2)
@@ -142,22 +149,11 @@ class StepStatsMixin:
                 metrics.log_scalar("clip", clipped, priority=500, round=1)
         with metrics.aggregate() as agg:
             if logging_outputs is not None:
-                self.task.reduce_metrics(logging_outputs, self.get_criterion())
+                self.task.reduce_metrics(logging_outputs, self.criterion)
             if "loss" not in agg:
-                if "loss" not in self._warn_once:
-                    self._warn_once.add("loss")
+                if "loss" not in self.warned:
+                    self.warned.add("loss")
                     logger.warning("the criterion's reduce_metrics logged no 'loss'; logging -1 in its place "
                                    "(progress lines and best-checkpoint selection read it)")
                 metrics.log_scalar("loss", -1)
         return agg
-
-    def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
-        if self.tpu:
-            return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
-        if grad_norm is not None and torch.is_tensor(grad_norm) and self.cfg.common.amp:
-            # Outside --amp a non-finite norm never gets here (fp16: OverflowError, which sets it
-            # to 0; otherwise FloatingPointError), so fairseq's host-side test is needed only then.
-            if not bool(torch.isfinite(grad_norm)):
-                grad_norm = None
-        agg = self._log_step_stats(logging_outputs, grad_norm, self.cfg.optimization.clip_norm)
-        return DeferredLoggingOutput(agg, sample_size)

@@ -14,7 +14,7 @@ source, longest target): no position of it is padding. For a CUDA graph it is gr
 - ``sentences``: the entries of the offsets (real sentences, then the padding sentences, then empty ones).
 
 The buckets are planned from the epoch's batches (fairseq freezes them once) with the padded planner's greedy
-merge (:func:`ls_fairseq.fairseq_ext.shape_buckets.merge_points`), weighing computed rows by the attention
+merge (:func:`ls_fairseq.fairseq_ext.graph.shape_buckets.merge_points`), weighing computed rows by the attention
 length they are launched for, so that short sentences stay in buckets of their own length.
 """
 
@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ls_fairseq.fairseq_ext.shape_buckets import distinct_points, merge_points
+from ls_fairseq.fairseq_ext.graph.shape_buckets import distinct_points, merge_points
 
 ROW_ALIGN = 16  # rows per side: a multiple of this (tensor-core GEMM tiles, FP8 GEMM row counts)
 SENTENCE_ALIGN = 8

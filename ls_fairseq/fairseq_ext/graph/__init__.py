@@ -1,0 +1,7 @@
+"""The CUDA-graph micro-batch: each forward and backward replayed from graphs captured per shape bucket.
+
+``graph_step.py`` (the engine) uses ``shape_buckets.py`` / ``packed_buckets.py`` (the batch shapes),
+``split_step.py`` (the body / head split the graphs hold), ``graph_grads.py`` (where the replayed
+gradients land), ``gemm_lt.py`` (the layers' products through cuBLASLt) and ``prewarm.py`` (the first
+update's kernels loaded while the optimizer is built). docs/graph_step.md says what a user sees.
+"""
