@@ -3,61 +3,13 @@
 All buffers are 1-D and the same length: param (fp32 master), exp_avg, exp_avg_sq (fp32),
 grad (fp32/fp16/bf16), and optionally param_lp, a low-precision copy of param that is
 rewritten after the update. ``grad_scale`` multiplies the gradient first (loss-scale
-unscale and clip coefficient folded into one factor).
+unscale and clip coefficient folded into one factor). mode="fairseq": fairseq's Adam;
+mode="torch": torch.optim.AdamW's formula.
 
-mode="fairseq": fairseq's Adam (decoupled weight decay, eps added to sqrt(v), the bias
-correction folded into the step size). mode="torch": torch.optim.AdamW's formula.
-
-Skipping a step on overflow ("found_inf"). :func:`grad_norm` returns a 0-dim fp32 tensor that is
-inf/NaN when any gradient is. Two ways to skip the update:
-
-* host side (one sync)::
-
-      norm = grad_norm(grads)
-      if torch.isfinite(norm):                 # syncs once
-          adam_(param, grads, m, v, ..., grad_scale=scale / max(1, norm / max_norm))
-      else:
-          ...  # lower the loss scale, skip the step
-
-* device side (no sync): pass the norm tensor as ``skip_if_nonfinite``; the fused kernel reads it
-  and writes nothing when it is not finite (param, moments and param_lp stay untouched)::
-
-      norm = grad_norm(grads)
-      adam_(param, grads, m, v, ..., skip_if_nonfinite=norm)
-
-  The reference path does the same check (it syncs). The caller still has to learn about the
-  overflow for its loss scaler, e.g. by reading ``norm`` later, when it syncs anyway.
-
-A factor that exists only on the device (a loss scale kept there, a clip coefficient computed
-from the norm) is passed as ``grad_scale_tensor`` (0-dim fp32 tensor): the gradient is
-multiplied by ``grad_scale * grad_scale_tensor``, read by the kernel, and a non-finite
-``grad_scale_tensor`` skips the step like ``skip_if_nonfinite`` does. No host sync either way.
-The fused path is one launch for the update and two small ones for the norm.
-
-``param_lp_peer``: another copy of the weights that receives exactly what ``param_lp`` receives (fp32
-when there is no ``param_lp``). A data-parallel rank that owns a range of the optimizer state passes the
-same range of a peer GPU's weights, mapped into this device's address space (PyTorch symmetric memory):
-the kernel writes the new weights on both GPUs in the same pass, so no all-gather follows. The caller
-orders these writes before the peer reads the weights (a collective on both ranks' streams after the
-step).
-
-The norm in the update's own pass: ``adam_(..., with_norm=True)`` returns the L2 norm of the gradients as
-they were read (before any scale, over ``ranges`` when given), summed by the fused kernel while it
-updates: no pass of its own over the gradients. The update is then taken whatever the norm (a caller that
-learns of a non-finite gradient only afterwards must not rely on the step having been skipped), so
-``skip_if_nonfinite`` cannot be combined with it; a non-finite ``grad_scale_tensor`` still skips it.
-
-Split master (``param_lo``). For bf16 weights the fp32 master need not be stored whole: its upper half is the
-bf16 weight itself (the master rounded to nearest, ties away from zero: see :func:`split_master`) and ``param_lo``
-(int16) holds the rest, so that :func:`join_master` gives back the master bit for bit. ``adam_(weights, grad,
-exp_avg, exp_avg_sq, param_lo=lo, ...)`` updates the master so held (``weights`` bf16, no ``param_lp``): the
-fused pass then reads and writes 26 bytes per element instead of 28, and the workspace keeps 2 bytes less per
-weight. The update's arithmetic is the fp32 master's; the bf16 weights differ from round-to-nearest-even only where
-the master lies exactly halfway between two bf16 values.
-
-``ranges``: ``[(lo, hi), ...]``, ascending and disjoint: update (or, for :func:`grad_norm`, take the norm
-of) only these element ranges of the buffers, which all share one layout. A data-parallel rank passes
-the parts of the flat buffers it owns, and the fused kernel covers them all in one launch.
+Skipping a step on overflow on the host or on the device (``skip_if_nonfinite``,
+``grad_scale_tensor``), the peer copy of the weights (``param_lp_peer``), the norm in the
+update's own pass (``with_norm``), the split master (``param_lo``) and ``ranges`` are described
+in docs/optimizer.md, section "The adam_ op".
 """
 
 import math

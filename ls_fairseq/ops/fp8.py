@@ -1,24 +1,13 @@
 """FP8 linear layers: ``linear(x, weight, bias, fp8=use)`` with every GEMM on FP8 tensor cores.
 
-Numerics (csrc/kernels/fp8.cu holds the kernels, this file the same rules in plain PyTorch):
-
-- Per-tensor delayed scaling. Each quantised tensor (a linear layer's input, weight and output gradient)
-  has a row in the model's :class:`Fp8State`: the absolute maxima of its last ``HISTORY`` uses. Its scale is
-  the largest power of two s with ``m * s`` at most the format's largest value (448 for e4m3, 57344 for e5m2),
-  m the largest maximum of the history: scaling is exact in fp32, the dequantisation factor ``1 / s`` is exact,
-  and the only rounding is the one to FP8 (nearest even; values beyond the range saturate). The quantisation is
-  one pass over the tensor that also records its maximum; :meth:`Fp8State.begin_forward` (once per training
-  forward) moves the recorded maxima into the histories and derives the next scales, then casts the weights of
-  the model's body in one launch (:meth:`Fp8State.cast_ahead`; each projection takes its weight's codes from
-  there). The first forward and backward of a new state use current scaling (the tensor's own maximum, an extra
-  pass), which fills the history.
-- Forward: ``y = [x] [W]^T`` with x and W in e4m3 (3 mantissa bits), output in the input's dtype. All three
-  GEMMs use the tensor cores' fast accumulation (cuBLASLt's, without promotion to fp32 along the sum).
-- Backward: ``dx = [dY] [W]`` and ``dW = [dY]^T [x]``, dY in the gradient format (``e4m3``, or ``e5m2`` with 2
-  mantissa bits and 5 exponent bits), from the same codes of x and W as the forward.
-- A weight whose sizes are not multiples of 16 (the FP8 GEMM's tile) uses the plain linear layer.
-- Inf or NaN in a tensor gives NaN outputs (and stays out of the history): an fp16 overflow still reaches the
-  optimizer's overflow check, and the scales after it are unaffected.
+The same rules in plain PyTorch as the kernels of csrc/kernels/fp8.cu (the reference the tests compare with):
+per-tensor delayed scaling by a power of two from the maxima of each tensor's last ``HISTORY`` uses (a row of
+the model's :class:`Fp8State`); :meth:`Fp8State.begin_forward` (once per training forward) rolls the histories
+into the next scales and casts the body's weights in one launch (:meth:`Fp8State.cast_ahead`); the first forward
+and backward of a new state use current scaling. Forward ``y = [x] [W]^T`` (e4m3), backward ``dx = [dY] [W]``
+and ``dW = [dY]^T [x]`` (dY in e4m3 or e5m2), all with fast accumulation; a weight whose sizes are not multiples
+of 16 uses the plain linear layer; inf or NaN gives NaN outputs and stays out of the history. The numerics in
+full: docs/fp8.md, section "Kernels and layouts".
 
 ``Fp8Use`` (what the layers pass down): the mode (1 + gradient format, + 2 while scaling is current), the
 state's tensor and the linear's slot in it (rows 3 slot, 3 slot + 1, 3 slot + 2: input, weight, gradient).

@@ -4,15 +4,12 @@ The same product as ``torch.nn.functional.linear``. On CUDA tensors of one dtype
 autocast) it records ONE C++ autograd node (``ls_fairseq._C.ag_linear``): one GEMM over the flattened
 rows forward, two GEMMs backward (the weight gradient already in W's layout). ``F.linear`` on a 3-d
 input records the transpose, the reshape and the product as separate nodes, each with host work in
-the forward and in the backward; a transformer-big micro-batch makes 62 of these calls. Everything
-else (CPU, mixed dtypes, autocast, torch.compile) is ``F.linear`` itself.
-
-``fp8`` (ls_fairseq/ops/fp8.py: Fp8Use, the layer's slot in its model's FP8 state, or None) runs the product as
-FP8 GEMMs where the weight's sizes allow it (multiples of 16).
+the forward and in the backward. Everything else (CPU, mixed dtypes, autocast, torch.compile) is
+``F.linear`` itself. ``fp8`` (ls_fairseq/ops/fp8.py: Fp8Use, the layer's slot in its model's FP8 state, or
+None) runs the product as FP8 GEMMs where the weight's sizes allow it (multiples of 16).
 
 linear_split(x, weight, bias, n, num_heads, fp8): the attention's input projections, x W^T + b split into n parts of
 heads: on CUDA views of one GEMM's output, the bias added in its epilogue.
-
 linear_dropout_residual(x, weight, bias, residual, p, training, fp8): an attention block's output projection and its
 end, residual + dropout(x W^T + b).
 """

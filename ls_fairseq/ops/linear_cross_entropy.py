@@ -1,5 +1,4 @@
-"""The vocabulary projection and the label-smoothed cross-entropy without keeping the logits:
---ls-recompute-logits.
+"""The vocabulary projection and the label-smoothed cross-entropy without the logits (--ls-recompute-logits).
 
 loss, nll = label_smoothed_cross_entropy(h W^T, target), computed over blocks of ``chunk_rows`` rows: each
 block's logits [rows, vocab] are made, reduced to the block's loss sums and one fp32 logsumexp per row, and
@@ -8,10 +7,9 @@ gradient in place and takes the block's share of dh = dlogits W and dW += dlogit
 backward: h and the logsumexps instead of [rows, vocab] logits (32 KB per target token for a 32k vocabulary in
 fp16, more than a transformer-big layer keeps); at any time at most one block of logits exists.
 
-The same kernels as ls_fairseq/ops/cross_entropy.py on CUDA, the same arithmetic in PyTorch elsewhere. The
-gradients are those of the stored path up to the summation order of dW over the blocks (one block: the same
-GEMMs). On request also each row's argmax (for --report-accuracy), from the same blocks.
-
+The same kernels as ls_fairseq/ops/cross_entropy.py on CUDA, the same arithmetic in PyTorch elsewhere; the
+gradients are the stored path's up to the summation order of dW over the blocks (docs/memory.md). On request
+also each row's argmax (for --report-accuracy), from the same blocks.
 Shapes: h [N, C], weight [V, C], target [N] (int64) -> (loss, nll) fp32 sums, argmax [N] int64.
 """
 

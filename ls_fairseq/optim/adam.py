@@ -1,50 +1,10 @@
 """LSAdam: Adam over a flat workspace, one fused ``adam_`` call per dtype buffer.
 
-Mixed precision. fp16 / bf16 parameters are updated through fp32 master weights kept in
-the workspace; ``adam_`` rewrites the low-precision copy in the same pass. A bf16 master is
-split: the weights are its upper halves and an int16 buffer holds the rest
-(:class:`~ls_fairseq.optim.workspace.FlatBuffer`). fp32 parameters are their own master (no copy).
-
-Deferred gradient scaling. ``multiply_grads(c)`` and gradient clipping do not touch the
-gradient buffers: they multiply a pending factor that is handed to ``adam_`` as
-``grad_scale`` at the next :meth:`LSAdam.step` (together with ``1 / scale`` from fairseq's
-step-with-scale protocol). :meth:`LSAdam.grad_norm` reports the norm of the *scaled*
-gradients, so callers see what an eager multiply would have given. ``zero_grad`` and
-``step`` reset the factor to 1.
-
-Views. Before reading gradients the workspace repairs any broken parameter/gradient view
-(:meth:`FlatWorkspace.sync`, a Python pass over all parameters). ``step`` skips that pass when
-:meth:`grad_norm` made it since the last ``zero_grad`` / ``step`` (fairseq clips, then steps):
-gradients or parameters replaced between the two are not seen by that step.
-
-Every parameter is updated at every step (a parameter that received no gradient sees a
-zero gradient, as under fairseq's flat ``--fp16`` optimizer); the step count is per group.
-
-Sharded state (:meth:`LSAdam.shard_`, data-parallel training). Rank r of W owns part r of every
-all-reduce bucket of the flat buffers (:class:`~ls_fairseq.optim.shard.Shard`). The gradients arrive
-reduce-scattered: only the owned parts hold the average. :meth:`grad_norm` sums the squares of the
-owned parts and all-reduces that one number; :meth:`step` runs Adam on the owned parts, then
-all-gathers the weights each bucket at a time (the fp16 / bf16 copy, or the fp32 weights
-themselves), so every rank ends the step with all the new weights while it read and wrote only 1/W
-of the optimizer state. With two ranks and peer-mapped weights (``shard_(..., peers=...)``) there is
-no all-gather: one update launch per flat buffer covers all the owned parts and writes them into the
-other GPU's weights as well. The other parts of the master weights and moments go stale on this
-rank. :meth:`consolidate_state_dict` (collective: every rank calls it, as fairseq does before saving
-a checkpoint) all-gathers them; :meth:`state_dict` refuses to return stale state.
-
-Deferred all-gathers (:meth:`LSAdam.defer_gathers`). By default :meth:`step` makes the stream wait
-for its all-gathers before it returns. With ``defer_gathers(need)`` the buckets are updated in the
-order of ``need`` (the bucket the next forward uses first goes first) and the all-gathers stay in
-flight when :meth:`step` returns: whoever reads weights calls :meth:`wait_gathers` for the buckets
-it is about to read (:class:`~ls_fairseq.optim.gather_waits.GatherWaits` does so from forward
-pre-hooks, layer by layer, so the gathers overlap the next forward), or for all of them.
-Every method of this class that reads or writes weights or state waits for all of them first.
-
-State dict. Standard layout: ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
-"param_groups": [...]}`` with one entry per parameter (tensors are views of the flat
-buffers; ``torch.save`` stores each buffer once). ``master`` is present for fp16 / bf16
-parameters, so a checkpoint resumes exactly even when it holds only low-precision weights; for
-bf16 it is the split master joined into fp32 copies on the CPU, the same layout as fp16's.
+fp16 / bf16 parameters are updated through fp32 master weights kept in the workspace (a bf16
+master split into the weights and an int16 rest); gradient scaling and clipping are deferred
+into the update's ``grad_scale``; the optimizer state can be sharded over data-parallel ranks,
+with the weights' all-gathers waited for layer by layer in the next forward. How each of these
+works, and the state dict's layout: docs/optimizer.md, section "LSAdam".
 """
 
 import logging

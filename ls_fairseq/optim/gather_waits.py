@@ -3,24 +3,10 @@
 With its state sharded (:meth:`~ls_fairseq.optim.adam.LSAdam.shard_`), ls_adam updates its part
 of every bucket and all-gathers the new weights. Waiting for all of them at the end of the step
 leaves the GPU with nothing to compute while the last gathers cross the link.
-:class:`GatherWaits` lets the next forward start right away instead:
-
-* Groups. Every element of the model's outermost ``nn.ModuleList`` s (the encoder and decoder
-  layers of a transformer), in registration order, is a group; every other parameter belongs to
-  the root group (embeddings, final layer norms, a batched cross-attention projection).
-* Order. The step updates and gathers the buckets in the order the forward needs them: buckets
-  holding root-group parameters first, then by the first layer that uses them
-  (:meth:`~ls_fairseq.optim.adam.LSAdam.defer_gathers`).
-* Waits. A forward pre-hook on the model waits for the root group's buckets; a forward pre-hook
-  on each layer waits for that layer's buckets (``work.wait()``: the compute stream waits, the
-  host does not). A layer's weights are thus complete before any of its kernels is queued, and
-  the layers after it still receive theirs while it computes.
-
-This is correct only for models whose layers use their own parameters only while they are
-called, and use nobody else's: models declare it with a class attribute
-``ls_gather_waits = True`` (ls_transformer does). Anything else that reads the weights between
-two steps must call :meth:`~ls_fairseq.optim.adam.LSAdam.wait_gathers` first; LSTrainer does so
-for validation, checkpoints and every access to the model from outside its train step.
+:class:`GatherWaits` lets the next forward start right away instead: each layer's forward pre-hook
+waits (on the stream, not the host) for that layer's buckets only. Only for models that declare
+``ls_gather_waits = True``; groups, order and the contract: docs/optimizer.md, section
+"Layer-by-layer gather waits".
 """
 
 import logging

@@ -3,52 +3,9 @@
 Without it the gradients of a :class:`~ls_fairseq.optim.workspace.FlatWorkspace` are averaged after the
 backward pass: one all-reduce per flat gradient buffer that nothing runs beside.
 :class:`OverlappedReducer` starts the reduction while the backward is still running; its subclasses
-(:mod:`ls_fairseq.optim.reduction_strategies`) pick the collective of a complete bucket.
-
-* Buckets. Each flat gradient buffer is cut into contiguous ranges of about ``bucket_bytes`` at
-  parameter boundaries, formed from the END of the buffer (:mod:`ls_fairseq.optim.buckets`): the
-  backward produces the gradients of the last layers first, so the first bucket to complete is the tail
-  of the buffer. One global order interleaves the buckets of several buffers (say fp32 and fp16
-  parameters) by the position of each bucket's first parameter in the optimizer's parameter list.
-* Hooks. Every trainable parameter carries a hook that runs after its gradient is accumulated.
-  When it fires while the reduction is armed, it counts the parameter done. Where the extension
-  has them (``ls_fairseq._C.GradBuckets``, csrc/torch/grad_buckets.cpp) the hooks sit on the
-  parameters' gradient accumulators in C++: they count and fold without Python and call it once
-  per backward (to ask whether the round is armed) and once per complete bucket (to launch its
-  collective), instead of once per parameter with a Python loop per bucket. Without them (an
-  extension built without, or none) Python post-accumulate-grad hooks do the same. The hook that completes a bucket
-  writes the bucket's gradients into its range of the flat buffer in one multi-tensor copy,
-  divides the range by the world size in one kernel, makes every ``p.grad`` its slice (the
-  fresh tensors autograd produced are freed, and the workspace sync later copies nothing), and
-  hands the bucket to the strategy's asynchronous collective (``_launch``): a few kernels per bucket,
-  not one per parameter.
-  Buckets are launched strictly in the global order, so every rank issues the same
-  collectives in the same sequence whatever order its hooks fire in.
-* End of the backward. The first hook of a round queues a callback that runs when the
-  backward pass finishes, before ``backward()`` returns (a reentrant backward nested in it, as
-  reentrant activation checkpointing runs one, is told apart and waited out). It fills the
-  slices of parameters whose hook never fired the way the synchronous path fills them (zero
-  without a gradient, the gradient divided by the world size otherwise) and launches the
-  remaining buckets. All of a round's collectives are thus issued inside the backward pass,
-  as PyTorch's DDP does: a collective issued between the backward and the optimizer
-  (fairseq's Trainer all-reduces its logging statistics there) cannot interleave with them on
-  one rank and not on another, even when a parameter got a gradient on one rank only.
-* :meth:`OverlappedReducer.finish` (after the backward) waits for the round's collectives, then lets
-  the strategy settle (``_settle``). On NCCL ``work.wait()`` makes the current CUDA stream wait; the
-  host never blocks. :meth:`OverlappedReducer.reduce` falls back on the reduction after the backward
-  when no armed backward ran since the last call.
-
-Armed means: the ``arm`` object's ``accumulate_grads`` is False (fairseq's legacy DDP wrapper
-sets it inside ``no_sync()``, for all but the last micro-batch of ``--update-freq``). An
-unarmed hook returns after two attribute reads. Each parameter's slice is divided by the
-world size and the buckets are summed, so the result equals dividing the whole buffer and
-all-reducing it at once, bit for bit.
-
-A second backward pass into the same gradients within one armed round (before ``finish``),
-armed or inside ``no_sync()``, would accumulate into slices that are already averaged and
-possibly being reduced: the hook raises a RuntimeError instead of producing wrong gradients
-(as PyTorch's DDP does; the same holds for a parameter whose gradient arrives twice in one
-backward, used both inside and outside a reentrant activation checkpoint).
+(:mod:`ls_fairseq.optim.reduction_strategies`) pick the collective of a complete bucket. Buckets, hooks,
+the end of the backward, arming and the second-backward check: docs/optimizer.md, section
+"Overlapped reduction: buckets and hooks".
 """
 
 import logging

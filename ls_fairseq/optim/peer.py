@@ -9,10 +9,9 @@ then stores each new weight twice, in its own copy and in the peer's (``param_lp
 :func:`ls_fairseq.ops.adam_`), in the same pass that reads the optimizer state. A one-element
 all-reduce after the update orders those stores before either rank reads the weights again.
 
-Only for two ranks on one host, each on its own CUDA device, with NCCL. The mapping is set up
-once, collectively; when any rank cannot set it up, no rank uses it and the step all-gathers
-instead. ``LS_FAIRSEQ_SHARD_P2P=0`` turns it off. The same mapping gives the gradient inboxes of the
-sharded reduction by copy engines (:func:`map_peer_inboxes`; ``LS_FAIRSEQ_PEER_REDUCE=0`` turns them off).
+Only for two ranks on one host, each on its own CUDA device, with NCCL, set up once collectively
+(else every rank all-gathers); ``LS_FAIRSEQ_SHARD_P2P=0`` turns it off. The same mapping gives the
+sharded reduction's gradient inboxes (:func:`map_peer_inboxes`; ``LS_FAIRSEQ_PEER_REDUCE=0``: off).
 """
 
 import logging

@@ -3,27 +3,7 @@
 Under ``--ddp-backend legacy_ddp`` ls_adam averages the gradients itself: the flat workspace holds them
 in one buffer per dtype, so they are reduced in place, without the staging copies of fairseq's wrapper.
 The optimizer asks only "reduce now, or wait for it" (:meth:`GradReduction.reduce`). What happens is
-decided here, once, after the first update:
-
-* The first update reduces after its backward (:class:`~ls_fairseq.optim.reduction_strategies.ReduceAfterBackward`):
-  the hooks that overlap the reduction with the backward are installed only then, and with that
-  update's gradients averaged whole the optimizer state may be sharded right away.
-* Where the reduction cannot overlap the backward (one rank, XLA, no post-accumulate-grad hooks,
-  ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1``) it stays that way. So it does where the backward's hooks do not
-  run (:meth:`GradReduction.reduce_after_backward_only`): the CUDA-graph step replays backwards that
-  were captured once, and the hooks run only at capture time; its gradients are reduced between graph
-  launches, once the last micro-batch's backward is over, with the whole optimizer state on every rank.
-* Otherwise buckets are reduced while the backward runs: all-reduced
-  (:class:`~ls_fairseq.optim.reduction_strategies.OverlappedAllReduce`), or, when sharding was requested
-  and every bucket splits evenly, reduce-scattered
-  (:class:`~ls_fairseq.optim.reduction_strategies.ShardedReduceScatter`) while ls_adam keeps only its
-  part of the state (:meth:`~ls_fairseq.optim.adam.LSAdam.shard_`). On two GPUs of one host the sharded
-  update writes the new weights into both GPUs (:func:`~ls_fairseq.optim.peer.map_peer_weights`) and
-  the gradient parts travel by copy engines
-  (:class:`~ls_fairseq.optim.reduction_strategies.PeerCopyReduce`); elsewhere the new weights are
-  all-gathered, and the next forward waits for them layer by layer where the model allows it
-  (:class:`~ls_fairseq.optim.gather_waits.GatherWaits`).
-
+decided here, once, after the first update (docs/optimizer.md, section "Choosing the reduction").
 Every rank takes the same decisions from the same inputs (the peer mappings vote), so every rank
 issues the same collectives in the same order.
 """

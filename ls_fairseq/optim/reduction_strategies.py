@@ -1,22 +1,18 @@
 """The ways :class:`~ls_fairseq.optim.reduction.GradReduction` averages the gradients over the ranks.
-
 Each is a small object with one interface (:class:`ReductionStrategy`): ``reduce()`` when the optimizer
 wants this update's average, ``finish()`` to close what a backward started, ``remove()`` to take its hooks
-off. Each does its own collectives, on the flat gradient buffers of a
-:class:`~ls_fairseq.optim.workspace.FlatWorkspace`, in place:
+off. Each does its own collectives, in place on the flat gradient buffers of a FlatWorkspace:
 
 * :class:`ReduceAfterBackward`: one all-reduce per flat buffer once the backward is over;
 * :class:`OverlappedAllReduce`: buckets of the buffers all-reduced while the backward runs;
 * :class:`ShardedReduceScatter`: buckets reduce-scattered while the backward runs (each rank receives the
   average of its own part only: ls_adam's state is sharded);
-* :class:`PeerCopyReduce`: the same on two GPUs that map each other's memory, by copy engines instead of
-  NCCL.
+* :class:`PeerCopyReduce`: the same on two GPUs that map each other's memory, by copy engines.
 
-The last three share the backward-time machinery of :class:`~ls_fairseq.optim.overlap.OverlappedReducer`
-and differ only in the collective they start for a complete bucket (``_launch``) and in what they do
-once the round's collectives are done (``_settle``). Every element is divided by the world size before it
-is summed over the ranks, whole buffer or bucket by bucket, so the overlapped reduction gives the
-averages of the reduction after the backward bit for bit.
+The last three share :class:`~ls_fairseq.optim.overlap.OverlappedReducer` and differ only in the collective
+of a complete bucket (``_launch``) and what follows the round's collectives (``_settle``). Every element is
+divided by the world size before it is summed over the ranks, so the overlapped reduction's averages equal
+those after the backward bit for bit.
 """
 
 from typing import Callable, Dict, Protocol, Sequence, Tuple
@@ -116,8 +112,8 @@ class PeerCopyReduce(ShardedReduceScatter):
     inbox to the owned parts.
 
     Why: NCCL's kernels wait on the GPU for the other rank's matching call, holding SMs that the
-    backward's kernels need while they wait (on two H200s the backward took 1.5 ms longer with them
-    running beside it); a copy engine holds none. The sums are those of the reduce-scatter.
+    backward's kernels need while they wait, which slows the backward (benchmarks/RESULTS.md, section
+    'scaling'); a copy engine holds none. The sums are those of the reduce-scatter.
 
     Rounds alternate between two halves of the inbox (the part this rank owns, and the other, otherwise
     unused), so a rank's copies never overwrite what the other has not added yet: its copies of round

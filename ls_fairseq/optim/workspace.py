@@ -1,28 +1,11 @@
 """A flat, contiguous workspace for a list of parameters.
 
-For every (device, dtype) among the parameters the workspace owns:
-
-* ``param``  one contiguous buffer; every ``p.data`` becomes a view of its slice;
-* ``grad``   one contiguous buffer of the same dtype; after :meth:`FlatWorkspace.sync` every
-             ``p.grad`` is a view of its slice (between ``zero_grad`` and the next sync,
-             ``p.grad`` is None or the tensor autograd produced);
-* ``master`` fp32 master weights. For fp32 parameters this IS ``param`` (no copy);
-             for fp16 parameters it is a separate fp32 buffer; for bf16 parameters it is split
-             (:func:`ls_fairseq.ops.adam.split_master`): ``param`` holds its upper halves (the
-             master rounded to nearest) and ``lo``, an int16 buffer, the rest, so that the master
-             costs 2 bytes per weight beyond the weights instead of 4 (``master`` then reads as a
-             joined fp32 copy; write it through :meth:`FlatBuffer.set_master_state`);
-* ``exp_avg``, ``exp_avg_sq`` fp32 optimizer moments.
-
-Each parameter starts on a :data:`ALIGN_BYTES` boundary so kernels that read a parameter
-as a tensor of its own may use vector loads; the padding between parameters is zero in
-every buffer and stays zero under Adam (zero gradient, zero moments, zero weight).
-
-Robustness. The views can be broken from outside: ``p.grad = None`` (``Module.zero_grad``),
-autograd installing a fresh tensor, ``p.data = ...`` (``.to()``, ``.half()``), or an
-in-place write into a parameter (``load_state_dict``) that leaves the fp32 master stale.
-:meth:`FlatWorkspace.sync` detects all of these (pointer and version checks, one cheap
-pass in Python) and repairs them before an optimizer step.
+For every (device, dtype) among the parameters the workspace owns one contiguous ``param`` buffer
+(every ``p.data`` a view of its slice), one ``grad`` buffer of the same dtype, fp32 ``master``
+weights (``param`` itself for fp32; split into the weights and an int16 rest for bf16) and the fp32
+moments ``exp_avg``, ``exp_avg_sq``. :meth:`FlatWorkspace.sync` detects and repairs views broken
+from outside before an optimizer step. Layout, alignment and the repairs: docs/optimizer.md,
+section "The flat workspace".
 """
 
 import logging
@@ -203,8 +186,8 @@ class FlatBuffer:
 
     def _sync_fast(self, keep_grads: bool):
         """:meth:`sync` for the usual states, with list-wide comparisons instead of a Python pass
-        per parameter (a step calls it once; the per-parameter pass cost ~2 us per parameter on a
-        slow host, ~0.4 ms for a big Transformer): every weight is still its view and unchanged
+        per parameter (a step calls it once, and a Python pass per parameter is host time the step
+        waits for): every weight is still its view and unchanged
         from outside, and every gradient is its view, None or a fresh tensor of autograd.
         Returns the repair count, or None when :meth:`_sync_each` must look at each parameter."""
         idx, ptrs, views, view_ptrs, shapes = self._expected()
