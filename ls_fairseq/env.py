@@ -7,9 +7,9 @@ None is needed to install, train or translate: the defaults are what was measure
   and ls_fairseq/_build_flags.py, which run before the package can be imported);
 - diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
 - user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY, LS_FAIRSEQ_SHARD_ADAM;
-- bug-report switches, each taking a part of lightseq-train back to the simpler path that is also its automatic
-  fallback, to tell a problem in that part from the rest: LS_FAIRSEQ_PLAIN_TRAINER, LS_FAIRSEQ_SYNC_STEP,
-  LS_FAIRSEQ_FP16_OPTIMIZER, LS_FAIRSEQ_SYNC_ALL_REDUCE, LS_FAIRSEQ_PEER_REDUCE, LS_FAIRSEQ_SHARD_P2P.
+- bug-report switches, each taking a part of multi-GPU training back to the simpler path that is also its
+  automatic fallback, to tell a problem in that part from the rest: LS_FAIRSEQ_SYNC_ALL_REDUCE,
+  LS_FAIRSEQ_PEER_REDUCE, LS_FAIRSEQ_SHARD_P2P (fairseq's own Trainer: ``--ls-trainer off``).
 
 Each is read when it is needed (not at import), so a test or a launcher may set it late.
 """
@@ -75,21 +75,6 @@ def shard_adam():
 
 
 # ------------------------------------------------------------ bug-report switches
-def plain_trainer() -> bool:
-    """fairseq's Trainer unchanged in lightseq-train."""
-    return _on("LS_FAIRSEQ_PLAIN_TRAINER")
-
-
-def sync_step() -> bool:
-    """fairseq's own update body in LSTrainer (the step it takes where the deferred step does not apply)."""
-    return _on("LS_FAIRSEQ_SYNC_STEP")
-
-
-def fp16_optimizer() -> bool:
-    """fairseq's FP16Optimizer around ls_adam (an extra fp32 copy of the weights)."""
-    return _on("LS_FAIRSEQ_FP16_OPTIMIZER")
-
-
 def sync_all_reduce() -> bool:
     """Several GPUs: one all-reduce after the backward (the path without post-accumulate-grad hooks)."""
     return _on("LS_FAIRSEQ_SYNC_ALL_REDUCE")
