@@ -217,3 +217,41 @@ def test_toy_corpus_is_deterministic_disjoint_and_not_a_copy(tmp_path):
     assert len(forms) >= 3, forms
     with pytest.raises(ValueError, match="--test"):
         mod.make_corpus(str(tmp_path / "d"), n_test=0)
+
+
+@pytest.mark.slow
+def test_fairseq_train_with_the_ls_components_trains_as_lightseq_train(data_bin, straight_run, tmp_path):
+    """fairseq-train --user-dir with the ls model, ls_adam and the ls criterion trains on LSTrainer (one log line
+    says so) and takes exactly lightseq-train's updates."""
+    from _models import fairseq_main, log_lines
+
+    save_a, records_a = straight_run
+    save_b = str(tmp_path / "fairseq_train")
+    with log_lines() as lines:
+        records_b = fairseq_main("train", [data_bin, "--save-dir", save_b, "--user-dir", os.path.join(ROOT, "user_dir"),
+                                           *TRAIN_FLAGS, "--max-update", "8"])
+    assert sum("trains this run on its own trainer" in x for x in lines) == 1, lines
+    assert any("deferred step" in x for x in lines)
+    ours, theirs = inner_by_update(records_a), inner_by_update(records_b)
+    assert sorted(ours) == sorted(theirs) == list(range(1, 9))
+    for u in ours:
+        for key in ("loss", "nll_loss", "gnorm", "lr"):
+            assert float(ours[u][key]) == float(theirs[u][key]), (u, key)
+    a = _params(os.path.join(save_a, "checkpoint_last.pt"))
+    b = _params(os.path.join(save_b, "checkpoint_last.pt"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_fairseq_train_without_the_ls_components_keeps_fairseqs_trainer(data_bin, tmp_path):
+    """A native model and optimizer under fairseq-train --user-dir train on fairseq's Trainer, as without the
+    plugin."""
+    from _models import fairseq_main, log_lines
+
+    flags = ["--arch", "transformer_tiny", "--optimizer", "adam", "--lr", "1e-3", "--criterion",
+             "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "400", "--cpu",
+             "--num-workers", "0", "--max-update", "2", "--no-save", "--disable-validation"]
+    with log_lines() as lines:
+        fairseq_main("train", [data_bin, "--user-dir", os.path.join(ROOT, "user_dir"), *flags])
+    assert any("done training" in x for x in lines)  # it trained
+    assert not any("own trainer" in x or "deferred step" in x or "LSTrainer" in x for x in lines), lines
