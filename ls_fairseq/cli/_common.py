@@ -167,3 +167,39 @@ def prepare(argv):
     argv = with_user_dir(argv)
     ensure_checkpoint_compat()
     return argv
+
+
+def check_checkpoint_paths(argv, prog: str) -> None:
+    """Before fairseq starts: every --path checkpoint is a complete file, else one line naming it and what is
+    wrong (exit status 1). With --checkpoint-suffix or shards the names are fairseq's to make: the checks
+    :func:`run_fairseq_main` installs catch those when they are read."""
+    if has_flag(argv, "--checkpoint-suffix") or has_flag(argv, "--checkpoint-shard-count"):
+        return
+    paths = _flag_value(argv, "--path")
+    if not paths:
+        return
+    try:
+        from ls_fairseq.fairseq_ext.checkpoint_files import CheckpointFileError, check_checkpoint_file
+    except ImportError:  # a broken install: fairseq reports it when it imports the plugin
+        return
+    for path in paths.split(os.pathsep):
+        try:
+            check_checkpoint_file(path)
+        except CheckpointFileError as e:
+            raise SystemExit(f"{prog}: error: {e}") from None
+
+
+def run_fairseq_main(prog: str, main) -> None:
+    """fairseq's ``main()`` with every checkpoint it loads checked first; bad input the plugin names (a
+    checkpoint file, an option, a data file: InputError) ends it with one line and exit status 1."""
+    try:
+        from ls_fairseq.fairseq_ext.checkpoint_files import install_checkpoint_checks
+        from ls_fairseq.fairseq_ext.data_checks import InputError
+    except ImportError:  # a broken install: fairseq reports it when it imports the plugin
+        main()
+        return
+    install_checkpoint_checks()
+    try:
+        main()
+    except InputError as e:
+        raise SystemExit(f"{prog}: error: {e}") from None

@@ -128,9 +128,9 @@ def convert_state(state: Dict[str, Any], to: str) -> List[str]:
 def convert_file(src: str, dst: str, to: str) -> List[str]:
     import torch
 
-    if not os.path.isfile(src):
-        raise FileNotFoundError(f"checkpoint {src} not found")
-    state = torch.load(src, map_location="cpu", weights_only=False)
+    from ls_fairseq.fairseq_ext.checkpoint_files import load_state_checked
+
+    state = load_state_checked(src, lambda path: torch.load(path, map_location="cpu", weights_only=False))
     changed = convert_state(state, to)
     os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
     torch.save(state, dst)

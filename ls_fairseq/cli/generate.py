@@ -3,7 +3,8 @@
 Every fairseq-generate flag works unchanged. Differences from plain ``fairseq-generate``:
 
 * ``--user-dir`` points at the plugin unless you give one;
-* checkpoints load under torch >= 2.6 (fairseq's torch.load needs ``weights_only=False``);
+* checkpoints load under torch >= 2.6 (fairseq's torch.load needs ``weights_only=False``); a missing, empty,
+  truncated or random-bytes checkpoint is one line naming the file and what is wrong (exit status 1);
 * ``--required-batch-size-multiple 1`` is added unless you give a value: with fairseq's
   default of 8 the batching can leave the last sentences of the test set untranslated.
 """
@@ -50,11 +51,13 @@ def build_argv(argv: Optional[List[str]] = None) -> List[str]:
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _common.check_checkpoint_paths(argv, "lightseq-generate")
     argv = build_argv(argv)
     _common.set_argv(argv)  # fairseq-generate reads sys.argv
     from fairseq_cli import generate
 
-    generate.cli_main()
+    _common.run_fairseq_main("lightseq-generate", generate.cli_main)
 
 
 if __name__ == "__main__":

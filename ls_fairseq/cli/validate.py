@@ -3,7 +3,8 @@
 Every fairseq-validate flag works unchanged. Differences from plain ``fairseq-validate``:
 
 * ``--user-dir`` points at the plugin unless you give one;
-* checkpoints load under torch >= 2.6 (fairseq's torch.load needs ``weights_only=False``);
+* checkpoints load under torch >= 2.6 (fairseq's torch.load needs ``weights_only=False``); a missing, empty,
+  truncated or random-bytes checkpoint is one line naming the file and what is wrong (exit status 1);
 * ``--required-batch-size-multiple 1`` is added unless you give a value, so every sentence of
   the subset is scored;
 * ``--task`` defaults to the checkpoint's task (fairseq-validate 0.12 has no default task and
@@ -29,11 +30,13 @@ def build_argv(argv: Optional[List[str]] = None) -> List[str]:
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _common.check_checkpoint_paths(argv, "lightseq-validate")
     argv = build_argv(argv)
     _common.set_argv(argv)  # fairseq-validate parses sys.argv (twice)
     from fairseq_cli import validate
 
-    validate.cli_main()
+    _common.run_fairseq_main("lightseq-validate", validate.cli_main)
 
 
 if __name__ == "__main__":
