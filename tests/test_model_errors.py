@@ -44,6 +44,8 @@ def test_hidden_size_not_divisible_by_heads():
     ("encoder_layerdrop", 0.1, "--encoder-layerdrop"),
     ("layernorm_embedding", True, "--layernorm-embedding"),
     ("adaptive_softmax_cutoff", "10,20", "--adaptive-softmax-cutoff"),
+    ("quant_noise_scalar", 0.1, "--quant-noise-scalar"),
+    ("quant_noise_pq", 0.1, "--quant-noise-pq"),
 ])
 def test_unsupported_flags_are_rejected_by_name(flag, value, name):
     with pytest.raises(ValueError, match=name):
@@ -72,3 +74,39 @@ def test_checkpoint_activations_is_honoured():
     assert torch.allclose(la, lb)
     for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.allclose(pa.grad, pb.grad, atol=1e-6), n
+
+
+def test_fairseq_train_user_dir_refuses_what_lightseq_train_refuses(data_bin, tmp_path):
+    """The refusal lives in the model's build_model: fairseq-train --user-dir stops on the flag before training,
+    as lightseq-train does."""
+    import os
+
+    from ls_fairseq.fairseq_ext.config import OptionError
+    from tests._models import fairseq_main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = [data_bin, "--user-dir", os.path.join(root, "user_dir"), "--arch", "ls_transformer_tiny",
+             "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "512", "--max-update", "1", "--cpu",
+             "--num-workers", "0", "--save-dir", str(tmp_path), "--no-save"]
+    with pytest.raises(OptionError, match=r"--quant-noise-scalar \(quantization noise\) is not supported"):
+        fairseq_main("train", flags + ["--quant-noise-scalar", "0.1"])
+    with pytest.raises(OptionError, match=r"--encoder-layerdrop \(LayerDrop\) is not supported"):
+        fairseq_main("train", flags + ["--encoder-layerdrop", "0.1"])
+
+
+def test_error_hook_prints_one_line(monkeypatch, capsys):
+    import sys
+
+    from ls_fairseq.fairseq_ext.config import OptionError
+    from ls_fairseq.fairseq_ext.data_checks import install_error_hook
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[0]))
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/fairseq-train", "data"])
+    install_error_hook()
+    install_error_hook()  # idempotent: one hook
+    sys.excepthook(OptionError, OptionError("ls_transformer: --quant-noise-scalar is not supported"), None)
+    assert capsys.readouterr().err == "fairseq-train: error: ls_transformer: --quant-noise-scalar is not supported\n"
+    assert seen == []
+    sys.excepthook(KeyError, KeyError("x"), None)  # anything else: the previous hook
+    assert seen == [KeyError]

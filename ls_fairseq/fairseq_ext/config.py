@@ -38,6 +38,8 @@ _UNSUPPORTED = [
     ("tie_adaptive_weights", bool, "--tie-adaptive-weights", "adaptive softmax"),
     ("layernorm_embedding", bool, "--layernorm-embedding", "a layer norm after the embedding"),
     ("quant_noise.pq", lambda v: v > 0, "--quant-noise-pq", "quantization noise"),
+    # fairseq's task quantizes the model's nn.Linear modules in place, which the fused layers never call
+    ("quant_noise.scalar", lambda v: v > 0, "--quant-noise-scalar", "quantization noise"),
     ("cross_self_attention", bool, "--cross-self-attention", "cross+self attention"),
     ("no_cross_attention", bool, "--no-cross-attention", "a decoder without cross-attention"),
     ("char_inputs", bool, "--char-inputs", "character inputs"),
