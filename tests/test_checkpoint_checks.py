@@ -141,9 +141,10 @@ def test_fairseq_generate_with_the_checks_prints_one_line(tmp_path):
     """fairseq's own fairseq-generate, its plugin folder installing the checks: one line on stderr, status 1."""
     plugin = tmp_path / "ls_plugin_checks"
     plugin.mkdir()
-    (plugin / "__init__.py").write_text("import ls_fairseq.fairseq_ext  # noqa: F401\n"
-                                        "from ls_fairseq.fairseq_ext.checkpoint_files import install_checkpoint_checks\n"
-                                        "install_checkpoint_checks()\n")
+    (plugin / "__init__.py").write_text(
+        "import ls_fairseq.fairseq_ext  # noqa: F401\n"
+        "from ls_fairseq.fairseq_ext.checkpoint_files import install_checkpoint_checks\n"
+        "install_checkpoint_checks()\n")
     path = _bad(tmp_path, "empty")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(["fairseq-generate", _dicts_only(tmp_path), "--user-dir", str(plugin), "--path", path,
