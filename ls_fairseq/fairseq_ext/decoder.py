@@ -2,7 +2,8 @@
 
 Cross-attention keys/values of ALL layers come from one GEMM (BatchedCrossKV). During
 incremental decoding they are computed once per sentence, kept in the incremental state
-with each layer's self-attention cache, and reordered with the beam.
+with each layer's self-attention cache, and reordered with the beam. fairseq's alignments (the "attn"
+output) are formed only when asked for (docs/interface.md): other calls keep the fused layers.
 """
 
 from typing import Any, Dict, List, Optional
