@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 COMMON = [
     "--task", "translation", "-s", "src", "-t", "tgt", "--share-all-embeddings",
@@ -85,9 +86,17 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
     ls = kind.startswith("ls")  # "ls", or "ls_me": ls with --memory-efficient-fp16/bf16
     a = ("ls_" + arch) if ls else arch
     flags = [data, "--arch", a, "--max-tokens", str(max_tokens), "--max-epoch", str(epochs)] + COMMON
-    flags += ["--optimizer", "ls_adam", "--criterion", "ls_label_smoothed_cross_entropy"] if ls else \
-        ["--optimizer", "adam", "--criterion", "label_smoothed_cross_entropy"]
-    flags += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[precision]
+    mode = {"ls_fairseq_train": "fairseq", "ls_deepspeed": "deepspeed"}.get(kind, "ls" if ls else "native")
+    if mode == "deepspeed":  # DeepSpeed's optimizer and precision, from its config (ZeRO 0 on one GPU)
+        flags += ["--optimizer", "adam", "--criterion", "ls_label_smoothed_cross_entropy", "--deepspeed_config",
+                  os.path.join(ROOT, "configs", "deepspeed", {"fp16": "ds_fp16_zero0.json", "bf16": "ds_bf16_zero1.json",
+                                                              "fp32": "ds_cpu_fp32.json"}[precision])]
+    else:
+        flags += ["--optimizer", "ls_adam", "--criterion", "ls_label_smoothed_cross_entropy"] if ls else \
+            ["--optimizer", "adam", "--criterion", "label_smoothed_cross_entropy"]
+        flags += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[precision]
+    if mode == "fairseq":  # plain fairseq-train with the plugin as --user-dir
+        flags += ["--user-dir", os.path.join(ROOT, "user_dir")]
     if kind == "ls_me" and precision in ("fp16", "bf16"):
         flags += [f"--memory-efficient-{precision}"]
     if kind == "ls_eager":  # lightseq-train without its CUDA-graph step
@@ -99,7 +108,7 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
     flags += MEMORY_MODES.get(kind, [])
     name = f"{kind}_{arch}_{max_tokens}_{precision}"
     log_path = os.path.join(out, name + ".log")
-    cmd = [sys.executable, entry or os.path.join(HERE, "train_entry.py"), "ls" if ls else "native"] + flags
+    cmd = [sys.executable, entry or os.path.join(HERE, "train_entry.py"), mode] + flags
     t0 = time.time()
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
@@ -138,7 +147,9 @@ def main():
     ap.add_argument("--archs", default="transformer_wmt_en_de_big_t2t,transformer_wmt_en_de_big")
     ap.add_argument("--max-tokens", default="4096,8192,16384")
     ap.add_argument("--kinds", default="native,ls",
-                    help="comma-separated: native, ls (lightseq-train's defaults), ls_eager (--ls-graph-step off), "
+                    help="comma-separated: native, ls (lightseq-train's defaults), ls_fairseq_train (fairseq-train "
+                         "--user-dir with the ls components), ls_deepspeed (lightseq-deepspeed, one process), "
+                         "ls_eager (--ls-graph-step off), "
                          "ls_buckets<K> (--ls-graph-buckets K), "
                          "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format), "
                          "ls_mem (all memory modes), ls_inv / ls_recompute / ls_logits (one of them)")

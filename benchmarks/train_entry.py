@@ -1,7 +1,10 @@
 """fairseq-train / lightseq-train in-process, reporting what fairseq's log does not: the
 per-epoch wall time measured around each epoch, and the peak GPU memory.
 
-    python benchmarks/train_entry.py {native|ls} DATA [fairseq-train flags...]
+    python benchmarks/train_entry.py {native|ls|fairseq|deepspeed} DATA [flags...]
+
+native and fairseq: fairseq-train (fairseq: the ls components through --user-dir); ls: lightseq-train;
+deepspeed: lightseq-deepspeed as one process.
 
 Lines it adds to the log:  BENCH epoch=N seconds=S tgt_tokens=W  and  BENCH peak_mem_gb=G
 
@@ -22,15 +25,19 @@ def main():
     mode, argv = sys.argv[1], sys.argv[2:]
     import torch
 
+    from fairseq_cli import train as fs_train
+
     if mode == "ls":
         from ls_fairseq.cli import train as ls_train
 
         runner = ls_train.cli_main
-    else:
-        from fairseq_cli import train as fs_train
+    elif mode == "deepspeed":
+        from ls_fairseq.cli import deepspeed_train
 
+        runner = deepspeed_train.cli_main
+        _time_deepspeed_epochs()
+    else:
         runner = fs_train.cli_main
-    from fairseq_cli import train as fs_train
 
     original = fs_train.train
 
@@ -81,6 +88,31 @@ def _count_words(cls):
             self._bench_in_step = False
 
     cls.train_step = counting_step
+
+
+def _time_deepspeed_epochs():
+    """BENCH epoch lines for lightseq-deepspeed, whose loop asks its trainer for a new iterator before the first
+    epoch and after each one."""
+    import torch
+
+    from ls_fairseq.cli.deepspeed_trainer import DeepSpeedTrainer
+
+    _count_words(DeepSpeedTrainer)
+    make = DeepSpeedTrainer.train_iterator
+    state = {"epoch": 0}
+
+    def train_iterator(self, *a, **k):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now, words = time.perf_counter(), _words(self)
+        if state["epoch"]:
+            print(f"BENCH epoch={state['epoch']} seconds={now - state['t0']:.3f} "
+                  f"tgt_tokens={words - state['w0']}", flush=True)
+        itr = make(self, *a, **k)
+        state.update(epoch=state["epoch"] + 1, t0=time.perf_counter(), w0=words)
+        return itr
+
+    DeepSpeedTrainer.train_iterator = train_iterator
 
 
 def _words(trainer):

@@ -85,7 +85,7 @@ def test_crash_checkpoint_gathers_nothing_when_the_state_is_sharded(tmp_path):
     sharded state crash.pt is written without the optimizer state, and the setting is restored."""
     from omegaconf import OmegaConf
 
-    from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
+    from ls_fairseq.fairseq_ext.step.deferred_step import DeferredStep
 
     calls = []
     cfg = OmegaConf.create({"checkpoint": {"save_dir": str(tmp_path), "no_save_optimizer_state": False}})
@@ -95,10 +95,10 @@ def test_crash_checkpoint_gathers_nothing_when_the_state_is_sharded(tmp_path):
         save_checkpoint=lambda path, extra: calls.append(("save", os.path.basename(path),
                                                           cfg.checkpoint.no_save_optimizer_state)),
     )
-    LSTrainer._save_crash_checkpoint(fake, SimpleNamespace(sharded=True))
+    DeferredStep._save_crash_checkpoint(SimpleNamespace(trainer=fake, ls_adam=SimpleNamespace(sharded=True)))
     assert calls == [("save", "crash.pt", True)] and cfg.checkpoint.no_save_optimizer_state is False
     calls.clear()
-    LSTrainer._save_crash_checkpoint(fake, SimpleNamespace(sharded=False))
+    DeferredStep._save_crash_checkpoint(SimpleNamespace(trainer=fake, ls_adam=SimpleNamespace(sharded=False)))
     assert calls == ["consolidate", ("save", "crash.pt", False)]
 
 

@@ -2,7 +2,9 @@
 
 At import (:func:`install_at_import`, by ``ls_fairseq.fairseq_ext``): fairseq's checkpoint loading under
 torch >= 2.6 (:mod:`~ls_fairseq.fairseq_ext.compat`, which applies itself when imported so that it also
-works without the rest of the plugin) and the trainer choice of fairseq's training loop
+works without the rest of the plugin), the checks of every checkpoint fairseq loads, of ``--max-tokens``
+against the data and of raw text, printed as one line (:mod:`~ls_fairseq.fairseq_ext.checkpoint_files`,
+:mod:`~ls_fairseq.fairseq_ext.data_checks`), and the trainer choice of fairseq's training loop
 (:mod:`~ls_fairseq.fairseq_ext.step.takeover`). For a run that trains on LSTrainer
 (:func:`install_for_training`): atomic checkpoint copies, no NaN best checkpoint, and FP16Optimizer's
 gradient factor reset under bf16. A run without the ls components gets none of the training ones.
@@ -16,8 +18,13 @@ logger = logging.getLogger("ls_fairseq.patches")
 
 def install_at_import() -> None:
     from ls_fairseq.fairseq_ext import compat  # noqa: F401  (applies itself)
+    from ls_fairseq.fairseq_ext import checkpoint_files, data_checks
     from ls_fairseq.fairseq_ext.step import takeover
 
+    checkpoint_files.install_checkpoint_checks()
+    data_checks.install_max_tokens_check()
+    data_checks.install_raw_text_check()
+    data_checks.install_error_hook()
     takeover.install()
 
 

@@ -113,9 +113,9 @@ class DeferredStep:
         # without a loss scale and without clipping the norm only reports (and names a non-finite gradient):
         # ls_adam sums it in its update's pass instead of reading the gradients once more before it. Not with
         # invertible layer norms, whose zero weights (a cause named when the norm is not finite) the update
-        # would overwrite
-        self.norm_in_step = (self.scaler is None and settings.clip <= 0 and not self.ls_adam.sharded
-                             and not self.invertible)
+        # would overwrite, nor with sharded state (ls_adam decides it when it reduces the gradients): see _factor_and_norm
+        self.norm_reports_only = self.scaler is None and settings.clip <= 0 and not self.invertible
+        self.norm_in_step = False  # this update's choice
 
     # ------------------------------------------------------------------ the update
     def run(self, samples, raise_oom=False):
@@ -245,6 +245,7 @@ class DeferredStep:
         """(the gradient factor ls_adam's kernel applies, the status the host reads later or None, finite flag
         or None). With :attr:`norm_in_step` the norm comes from the update's own pass instead."""
         device = self.trainer.device
+        self.norm_in_step = self.norm_reports_only and not self.ls_adam.sharded
         with _label("clip-grads"):
             numer = self.trainer.data_parallel_world_size if summed_ranks else 1
             if torch.is_tensor(sample_size):
