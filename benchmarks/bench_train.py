@@ -99,7 +99,7 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
         flags += ["--user-dir", os.path.join(ROOT, "user_dir")]
     if kind == "ls_me" and precision in ("fp16", "bf16"):
         flags += [f"--memory-efficient-{precision}"]
-    if kind == "ls_eager":  # lightseq-train without its CUDA-graph step
+    if kind.startswith("ls_eager"):  # lightseq-train without its CUDA-graph step
         flags += ["--ls-graph-step", "off"]
     if kind.startswith("ls_buckets"):  # ls_buckets128: the CUDA-graph step with that many shape buckets
         flags += ["--ls-graph-buckets", kind[len("ls_buckets"):]]
@@ -109,11 +109,17 @@ def run(kind, arch, max_tokens, precision, data, epochs, out, entry=None):
     name = f"{kind}_{arch}_{max_tokens}_{precision}"
     log_path = os.path.join(out, name + ".log")
     cmd = [sys.executable, entry or os.path.join(HERE, "train_entry.py"), mode] + flags
+    # ..._py_layers: the layers' forward in Python (no one-call C++ layer); ..._py_ops: also every fused op through
+    # its Python autograd.Function (no C++ autograd node): docs/op_paths.md
+    env = dict(os.environ)
+    for path in ("py_layers", "py_ops"):
+        if kind.endswith("_" + path):
+            env["BENCH_PY_PATHS"] = path
     t0 = time.time()
     with open(log_path, "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     text = open(log_path).read()
     epochs_seen = [(int(e), float(s), int(w)) for e, s, w in
                    re.findall(r"BENCH epoch=(\d+) seconds=([\d.]+) tgt_tokens=(\d+)", text)]
@@ -149,7 +155,8 @@ def main():
     ap.add_argument("--kinds", default="native,ls",
                     help="comma-separated: native, ls (lightseq-train's defaults), ls_fairseq_train (fairseq-train "
                          "--user-dir with the ls components), ls_deepspeed (lightseq-deepspeed, one process), "
-                         "ls_eager (--ls-graph-step off), "
+                         "ls_eager (--ls-graph-step off), ls_py_layers / ls_eager_py_layers (the layers in "
+                         "Python), ls_py_ops / ls_eager_py_ops (also the ops' Python autograd.Functions), "
                          "ls_buckets<K> (--ls-graph-buckets K), "
                          "ls_fp8 (--fp8), ls_fp8_e4m3 / ls_fp8_e5m2 (--fp8 with that gradient format), "
                          "ls_mem (all memory modes), ls_inv / ls_recompute / ls_logits (one of them)")

@@ -25,6 +25,15 @@ def main():
     mode, argv = sys.argv[1], sys.argv[2:]
     import torch
 
+    paths = os.environ.get("BENCH_PY_PATHS")  # bench_train.py's ..._py_layers / ..._py_ops kinds
+    if paths:
+        from ls_fairseq.ops import _dispatch
+
+        _dispatch._CPP_LAYERS = False
+        if paths == "py_ops":
+            _dispatch._CPP_AUTOGRAD = _dispatch._CPP_LINEAR = False
+        print(f"BENCH paths: {_dispatch.explain_autograd()}", flush=True)
+
     from fairseq_cli import train as fs_train
 
     if mode == "ls":
