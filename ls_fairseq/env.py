@@ -6,10 +6,7 @@ None is needed to install, train or translate: the defaults are what was measure
   LS_FAIRSEQ_NO_CUDA, LS_FAIRSEQ_FORCE_CUDA, LS_FAIRSEQ_KEEP_CXX and LS_FAIRSEQ_DEBUG_SYNC, are read by setup.py
   and ls_fairseq/_build_flags.py, which run before the package can be imported);
 - diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
-- user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY, LS_FAIRSEQ_SHARD_ADAM;
-- bug-report switches, each taking a part of multi-GPU training back to the simpler path that is also its
-  automatic fallback, to tell a problem in that part from the rest: LS_FAIRSEQ_SYNC_ALL_REDUCE,
-  LS_FAIRSEQ_PEER_REDUCE, LS_FAIRSEQ_SHARD_P2P (fairseq's own Trainer: ``--ls-trainer off``).
+- user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY, LS_FAIRSEQ_SHARD_ADAM.
 
 Each is read when it is needed (not at import), so a test or a launcher may set it late.
 """
@@ -73,18 +70,3 @@ def shard_adam():
         raise ValueError(f"LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not {value!r}")
     return modes[value]
 
-
-# ------------------------------------------------------------ bug-report switches
-def sync_all_reduce() -> bool:
-    """Several GPUs: one all-reduce after the backward (the path without post-accumulate-grad hooks)."""
-    return _on("LS_FAIRSEQ_SYNC_ALL_REDUCE")
-
-
-def peer_reduce() -> bool:
-    """Two GPUs: peer copies for the reduction (off: NCCL's reduce-scatter, the path for other GPU pairs)."""
-    return _get("LS_FAIRSEQ_PEER_REDUCE", "1") != "0"
-
-
-def shard_p2p() -> bool:
-    """Two GPUs: new weights written into both GPUs (off: the all-gather, the path for other GPU counts)."""
-    return _get("LS_FAIRSEQ_SHARD_P2P", "1") != "0"

@@ -41,7 +41,7 @@ _WRITTEN_AGAIN = (
     "averaged for the all-reduce: a second backward pass before optimizer.all_reduce_grads(model) "
     "(run every backward but the last of an update inside model.no_sync(), as fairseq's Trainer "
     "does for --update-freq), or a parameter used both inside and outside a reentrant activation "
-    "checkpoint. LS_FAIRSEQ_SYNC_ALL_REDUCE=1 all-reduces after the backward instead."
+    "checkpoint (checkpoint with use_reentrant=False instead)."
 )
 
 

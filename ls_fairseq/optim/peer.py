@@ -10,8 +10,8 @@ then stores each new weight twice, in its own copy and in the peer's (``param_lp
 all-reduce after the update orders those stores before either rank reads the weights again.
 
 Only for two ranks on one host, each on its own CUDA device, with NCCL, set up once collectively
-(else every rank all-gathers); ``LS_FAIRSEQ_SHARD_P2P=0`` turns it off. The same mapping gives the
-sharded reduction's gradient inboxes (:func:`map_peer_inboxes`; ``LS_FAIRSEQ_PEER_REDUCE=0``: off).
+(else every rank all-gathers, the path of every other world size). The same mapping gives the
+sharded reduction's gradient inboxes (:func:`map_peer_inboxes`; else NCCL's reduce-scatter).
 """
 
 import logging
@@ -23,14 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ls_fairseq.optim.workspace import FlatWorkspace
-from ls_fairseq import env
 
 logger = logging.getLogger(__name__)
 
 
 def _why_not(workspaces: Sequence[FlatWorkspace], world_size: int, group) -> Optional[str]:
-    if not env.shard_p2p():
-        return "LS_FAIRSEQ_SHARD_P2P=0"
     if world_size != 2:
         return f"a world size of {world_size} (peer writes serve two ranks)"
     devices = {buf.device for ws in workspaces for buf in ws.buffers}
@@ -74,11 +71,8 @@ def map_peer_inboxes(workspaces: Sequence[FlatWorkspace], rank: int, world_size:
     reason why not (a string, the same on every rank)."""
     group = group if group is not None else dist.group.WORLD
     buffers = [buf for ws in workspaces for buf in ws.buffers]
-    reason = _why_not(workspaces, world_size, group)
-    if reason is None and not env.peer_reduce():
-        reason = "LS_FAIRSEQ_PEER_REDUCE=0"
     mapped = _map_symmetric([(buf.numel, buf.grad.dtype) for buf in buffers], buffers[0].device, rank, group,
-                            reason)
+                            _why_not(workspaces, world_size, group))
     if isinstance(mapped, str):
         return mapped
     for t in mapped[0]:

@@ -14,7 +14,6 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ls_fairseq import env
 from ls_fairseq.optim.buckets import bucket_order, shardable
 from ls_fairseq.optim.gather_waits import GatherWaits
 from ls_fairseq.optim.peer import map_peer_inboxes, map_peer_weights
@@ -106,8 +105,8 @@ class GradReduction:
     def _overlap_applies(self) -> bool:
         """Overlap needs two or more ranks, a group that takes asynchronous collectives and
         post-accumulate-grad hooks (torch >= 2.1) that run in the backward (not so for a replayed CUDA
-        graph: :meth:`reduce_after_backward_only`); ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1`` turns it off."""
-        if self.after_backward_only is not None or env.sync_all_reduce() or self.ddp.world_size < 2:
+        graph: :meth:`reduce_after_backward_only`)."""
+        if self.after_backward_only is not None or self.ddp.world_size < 2:
             return False
         if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
             return False

@@ -43,7 +43,7 @@ class ReductionStrategy(Protocol):
 class ReduceAfterBackward:
     """One all-reduce per flat gradient buffer after the backward. It serves the first update (the
     hooks of the others are set up after it), every update where the reduction cannot overlap the
-    backward (one process, XLA, no post-accumulate-grad hooks, ``LS_FAIRSEQ_SYNC_ALL_REDUCE=1``), and
+    backward (one process, XLA, no post-accumulate-grad hooks, the CUDA-graph step's replays), and
     the overlapped strategies for an update whose backward did not arm them.
 
     ``all_reduce(tensor)`` sums a tensor over the ranks in place (fairseq's, which also serves XLA)."""

@@ -40,16 +40,22 @@ def _graphed_micro_batches(log: str) -> int:
 
 def _ten_updates_per_setting(data_bin, tmp_path, precision, settings):
     """lightseq-train on two GPUs (NCCL), ten updates from the same batches (dropout 0, grouped shuffling),
-    once per ``(name, env)`` of ``settings``, each in ``tmp_path / name``: {name: train_inner records by
-    update}. The eager step: the reductions overlapped with the backward and the sharded state work through
-    hooks in the backward, which the CUDA-graph step does not use."""
+    once per ``(name, env, fallback)`` of ``settings``, each in ``tmp_path / name``: {name: train_inner
+    records by update}. ``fallback`` "weights" / "inboxes": as where the GPUs cannot map each other's
+    weights / gradient inboxes (tests/_peer_fallback.py); None: as they are. The eager step: the
+    reductions overlapped with the backward and the sharded state work through hooks in the backward,
+    which the CUDA-graph step does not use."""
+    script = os.path.join(ROOT, "tests", "_peer_fallback.py")
     flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
              "--grouped-shuffling", "--disable-validation", "--ls-graph-step", "off"]
     runs = {}
-    for name, env in settings:
+    for name, env, fallback in settings:
         (tmp_path / name).mkdir()
+        runner = None
+        if fallback is not None:
+            runner = lambda r, f=fallback: [sys.executable, script, f]  # noqa: E731
         runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
-                                              backend="nccl")
+                                              backend="nccl", runner=runner)
     return runs
 
 
@@ -104,22 +110,23 @@ def test_two_gpus_take_the_updates_of_one_gpu_with_update_freq_2(data_bin, tmp_p
 def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, precision, peer):
     """NCCL's in-place reduce-scatter, then the new weights reach the other GPU either through the
     update kernel's own stores into it (symmetric memory, the default on two GPUs) or through
-    all-gathers (``LS_FAIRSEQ_SHARD_P2P=0``): the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or the
+    all-gathers (the fallback where the GPUs cannot map each other's memory, and the path of other GPU
+    counts): the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or the
     default ``=p2p``, which on two GPUs of one host shards with peer writes) takes the updates of the
     run with the whole optimizer state on every rank (``=0``) bit for bit (no clipping: the
     norm, summed in another order, only decides overflows), and its checkpoint holds the same whole
     state."""
     _need_two_gpus()
-    sharded_env = {"LS_FAIRSEQ_SHARD_ADAM": "1", "LS_FAIRSEQ_SHARD_P2P": "0" if peer == "all_gathers" else "1"}
-    if peer == "default":
-        sharded_env = {}
-    runs = _ten_updates_per_setting(data_bin, tmp_path, precision,
-                                    (("sharded", sharded_env), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"})))
+    sharded_env = {} if peer == "default" else {"LS_FAIRSEQ_SHARD_ADAM": "1"}
+    fallback = "weights" if peer == "all_gathers" else None
+    runs = _ten_updates_per_setting(data_bin, tmp_path, precision, (("sharded", sharded_env, fallback),
+                                                                    ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"}, None)))
     log = (tmp_path / "sharded" / "rank0.log").read_text()
     assert "optimizer state sharded over 2 ranks" in log
     if peer != "all_gathers":
         assert "writing the new weights on both GPUs" in log and "all-gathers layer by layer" not in log
     else:
+        assert "sharded weights are all-gathered (no peer writes: symmetric memory mapping refused" in log
         assert "then an all-gather of the weights" in log and "all-gathers layer by layer" in log
     assert "optimizer state sharded" not in (tmp_path / "whole" / "rank0.log").read_text()
     a, b = runs["sharded"], runs["whole"]
@@ -150,14 +157,16 @@ def test_train_step_reads_no_tensor_value_on_the_host(data_bin, tmp_path, gpus, 
 @pytest.mark.parametrize("precision", [["--fp16"], ["--bf16"]], ids=["fp16", "bf16"])
 def test_peer_copies_take_the_updates_of_nccl_reduce_scatter(data_bin, tmp_path, precision):
     """On two GPUs of one host the sharded reduction copies each complete bucket's other part into the
-    other GPU's inbox by a copy engine (the default); ``LS_FAIRSEQ_PEER_REDUCE=0`` reduce-scatters with
-    NCCL instead. One addition of two numbers per element either way: the same updates bit for bit
-    (rounds alternate between the two halves of the inbox: ten updates use both) and the same
-    checkpoint."""
+    other GPU's inbox by a copy engine (the default); where the inboxes cannot be mapped it
+    reduce-scatters with NCCL instead (the path of other GPU counts). One addition of two numbers per
+    element either way: the same updates bit for bit (rounds alternate between the two halves of the
+    inbox: ten updates use both) and the same checkpoint."""
     _need_two_gpus()
     runs = _ten_updates_per_setting(data_bin, tmp_path, precision,
-                                    (("peer", {}), ("nccl", {"LS_FAIRSEQ_PEER_REDUCE": "0"})))
+                                    (("peer", {}, None), ("nccl", {}, "inboxes")))
     assert "copied to the other GPU by a copy engine" in (tmp_path / "peer" / "rank0.log").read_text()
-    assert "no peer copies: LS_FAIRSEQ_PEER_REDUCE=0" in (tmp_path / "nccl" / "rank0.log").read_text()
+    nccl_log = (tmp_path / "nccl" / "rank0.log").read_text()
+    assert "no peer copies: symmetric memory mapping refused" in nccl_log
+    assert "writing the new weights on both GPUs" in nccl_log  # only the gradient parts took the fallback
     _assert_same_updates(runs["peer"], runs["nccl"], ("loss", "nll_loss", "gnorm", "wpb", "loss_scale"))
     assert_same_checkpoint_state(*(tmp_path / n / "checkpoint_last.pt" for n in ("peer", "nccl")))
