@@ -125,10 +125,12 @@ def test_precision_flags_rejected():
 @pytest.mark.slow
 def test_same_updates_as_lightseq_train(data_bin, tmp_path):
     """Without dropout, the first updates' loss and gradient norm equal lightseq-train's: the loss is
-    normalised over the whole update (--update-freq 2) exactly as fairseq does."""
+    normalised over the whole update (--update-freq 2) exactly as fairseq does. --no-save writes nothing."""
     extra = ["--dropout", "0", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--update-freq", "2"]
     ds = _run([sys.executable, "-m", "ls_fairseq.cli.deepspeed_train",
-               *_train_args(data_bin, str(tmp_path / "ds"), 3, extra), "--deepspeed_config", CPU_CONFIG], tmp_path)
+               *_train_args(data_bin, str(tmp_path / "ds"), 3, extra), "--deepspeed_config", CPU_CONFIG,
+               "--no-save"], tmp_path)
+    assert not (tmp_path / "ds").exists() or not any((tmp_path / "ds").iterdir())
     # lightseq-train in this process (on the CPU, as the DeepSpeed run), its records as the log prints them
     records = inner_by_update(lightseq_train([*_train_args(data_bin, str(tmp_path / "fs"), 3, extra), "--cpu",
                                               "--log-format", "json"]))

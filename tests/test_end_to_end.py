@@ -252,6 +252,7 @@ def test_fairseq_train_without_the_ls_components_keeps_fairseqs_trainer(data_bin
              "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "400", "--cpu",
              "--num-workers", "0", "--max-update", "2", "--no-save", "--disable-validation"]
     with log_lines() as lines:
-        fairseq_main("train", [data_bin, "--user-dir", os.path.join(ROOT, "user_dir"), *flags])
+        fairseq_main("train", [data_bin, "--save-dir", str(tmp_path), "--user-dir", os.path.join(ROOT, "user_dir"),
+                               *flags])
     assert any("done training" in x for x in lines)  # it trained
     assert not any("own trainer" in x or "deferred step" in x or "LSTrainer" in x for x in lines), lines

@@ -35,7 +35,6 @@ def test_the_training_loop_builds_ls_trainer_for_the_ls_components_only(monkeypa
     from omegaconf import OmegaConf
 
     from _models import build_model, make_dict
-    from ls_fairseq.fairseq_ext import patches
     from ls_fairseq.fairseq_ext.criterion import LSLabelSmoothedCrossEntropyCriterion
     from ls_fairseq.fairseq_ext.step import run_checks, takeover
     from ls_fairseq.fairseq_ext.step import trainer as ls_trainer
@@ -43,14 +42,13 @@ def test_the_training_loop_builds_ls_trainer_for_the_ls_components_only(monkeypa
     built = []
     monkeypatch.setattr(fairseq_trainer, "Trainer", lambda *a: built.append("fairseq") or "F")
     monkeypatch.setattr(ls_trainer, "LSTrainer", lambda *a: built.append("ls") or "L")
-    monkeypatch.setattr(patches, "install_for_training", lambda: built.append("patches"))
     monkeypatch.setattr(run_checks, "prepare_checkpoints", lambda *a, **k: built.append("checkpoints"))
     monkeypatch.setattr(run_checks, "check_data", lambda *a, **k: built.append("data"))
 
     class Loop:
         Trainer = object
 
-    assert takeover.install(Loop) and Loop.Trainer is not object
+    assert takeover.install(Loop, prepare=lambda: built.append("patches")) and Loop.Trainer is not object
     d = make_dict(20)
     model = build_model("ls_transformer_tiny", d)
     crit = LSLabelSmoothedCrossEntropyCriterion(SimpleNamespace(target_dictionary=d, source_dictionary=d), False, 0.1)

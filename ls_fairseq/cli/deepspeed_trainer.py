@@ -253,6 +253,8 @@ class DeepSpeedTrainer:
             improved = self.best is None or better(val_metric, self.best)
             if improved:
                 self.best = val_metric
+        if cfg.checkpoint.no_save:  # --no-save: fairseq-train writes nothing either
+            return
         client = {"train_iterator": epoch_itr.state_dict(), "num_updates": self.num_updates, "best": self.best,
                   "lr_scheduler": self.lr_scheduler.state_dict(), "metrics": metrics.state_dict()}
         save_dir = cfg.checkpoint.save_dir

@@ -1,20 +1,16 @@
 """``--criterion ls_label_smoothed_cross_entropy``: fairseq's label-smoothed cross-entropy
 computed from the raw decoder logits by one fused op.
 
-fairseq's criterion first materialises fp32 log-probabilities of the whole
-[tokens, vocab] output (``model.get_normalized_probs``) and then gathers from them;
-here ``ls_fairseq.ops.label_smoothed_cross_entropy`` takes the logits directly, so on GPU
-the fused kernel never stores the log-probabilities. Values (loss, nll_loss, accuracy) and
-metrics are fairseq's; the flags are the same (--label-smoothing, --report-accuracy,
---ignore-prefix-size, --sentence-avg).
+fairseq's criterion first materialises fp32 log-probabilities of the whole [tokens, vocab] output
+(``model.get_normalized_probs``) and then gathers from them; here
+``ls_fairseq.ops.label_smoothed_cross_entropy`` takes the logits directly, so on GPU the fused kernel
+never stores the log-probabilities. Values (loss, nll_loss, accuracy), metrics and flags are fairseq's
+(--label-smoothing, --report-accuracy, --ignore-prefix-size, --sentence-avg).
 
-With an ``ls_transformer`` model the vocabulary projection itself is restricted to the
-target positions that count (not padding, not the ignored prefix): the decoder returns logits
-for those rows only, so the largest GEMM of the model and its two backward GEMMs skip padding.
-The loss is the same sum over the same tokens.
-
-Per-token losses (``reduce=False``) take fairseq's own path. Adaptive-softmax decoders
-are rejected: their output is not a single vocabulary-sized logit tensor.
+With an ``ls_transformer`` model the decoder returns logits only for the target positions that count
+(not padding, not the ignored prefix), so the model's largest GEMM and its two backward GEMMs skip
+padding; the loss is the same sum over the same tokens. Per-token losses (``reduce=False``) take
+fairseq's own path. Adaptive-softmax decoders are rejected: their output is not one logit tensor.
 """
 
 import logging
@@ -77,9 +73,6 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
             raise ValueError(f"--label-smoothing must be in [0, 1), got {label_smoothing}")
         if ignore_prefix_size < 0:
             raise ValueError(f"--ignore-prefix-size must be >= 0, got {ignore_prefix_size}")
-        from ls_fairseq.fairseq_ext.step import takeover
-
-        takeover.install()  # fairseq's training loop, when imported after the plugin, builds LSTrainer for it
 
     def forward(self, model, sample, reduce=True):
         """fairseq's (loss, sample_size, logging_output); with an ls_transformer model the logits

@@ -17,15 +17,36 @@ logger = logging.getLogger("ls_fairseq.patches")
 
 
 def install_at_import() -> None:
+    from fairseq import utils
+
     from ls_fairseq.fairseq_ext import compat  # noqa: F401  (applies itself)
     from ls_fairseq.fairseq_ext import checkpoint_files, data_checks
-    from ls_fairseq.fairseq_ext.step import takeover
 
     checkpoint_files.install_checkpoint_checks()
     data_checks.install_max_tokens_check()
     data_checks.install_raw_text_check()
     data_checks.install_error_hook()
-    takeover.install()
+    install_trainer_choice()
+    if not getattr(utils.import_user_module, "_ls_trainer_choice", False):
+        # fairseq's training loop imports the user dir first: a loop module imported after the plugin gets the
+        # trainer choice there
+        original = utils.import_user_module
+
+        def import_user_module(args):
+            out = original(args)
+            install_trainer_choice()
+            return out
+
+        import_user_module._ls_trainer_choice = True
+        utils.import_user_module = import_user_module
+
+
+def install_trainer_choice() -> None:
+    """fairseq's training loop (when imported) builds LSTrainer for a run with the ls components, after the
+    training patches (:mod:`~ls_fairseq.fairseq_ext.step.takeover`)."""
+    from ls_fairseq.fairseq_ext.step import takeover
+
+    takeover.install(prepare=install_for_training)
 
 
 def install_for_training() -> None:

@@ -159,9 +159,10 @@ def ls_components_missing(cfg, model, criterion) -> Optional[str]:
     return None
 
 
-def choose_trainer(cfg, task, model, criterion, quantizer=None, always: bool = False):
+def choose_trainer(cfg, task, model, criterion, quantizer=None, always: bool = False, prepare=None):
     """The trainer fairseq's loop trains on (module docstring). ``always``: LSTrainer whatever the components
-    (lightseq-train), unless ``--ls-trainer off``."""
+    (lightseq-train, which prepares its run itself), unless ``--ls-trainer off``; ``prepare()`` (fairseq-train):
+    called before LSTrainer is built (the fairseq patches a run on it needs)."""
     from fairseq.trainer import Trainer
 
     from ls_fairseq.fairseq_ext.step.trainer import LSTrainer
@@ -174,10 +175,10 @@ def choose_trainer(cfg, task, model, criterion, quantizer=None, always: bool = F
         return Trainer(cfg, task, model, criterion, quantizer)
     said = adapt(FlatConfig(cfg), sys.argv)
     if not always:  # lightseq-train made these before it started its processes
-        from ls_fairseq.fairseq_ext import patches
         from ls_fairseq.fairseq_ext.step import run_checks
 
-        patches.install_for_training()
+        if prepare is not None:
+            prepare()
         first = not cfg.distributed_training.distributed_rank
         run_checks.prepare_checkpoints(cfg, prog="fairseq-train", first_process=first)
         run_checks.check_data(cfg, prog="fairseq-train")
@@ -187,9 +188,9 @@ def choose_trainer(cfg, task, model, criterion, quantizer=None, always: bool = F
     return LSTrainer(cfg, task, model, criterion, quantizer)
 
 
-def install(fairseq_train_module=None, always: bool = False) -> bool:
-    """Point fairseq's training loop (``fairseq_cli.train``, when imported) at :func:`choose_trainer`. Idempotent;
-    returns True when the loop's module was there."""
+def install(fairseq_train_module=None, always: bool = False, prepare=None) -> bool:
+    """Point fairseq's training loop (``fairseq_cli.train``, when imported) at :func:`choose_trainer` (``always``,
+    ``prepare``: its arguments). Idempotent; returns True when the loop's module was there."""
     module = fairseq_train_module or sys.modules.get("fairseq_cli.train")
     if module is None:
         return False
@@ -197,7 +198,7 @@ def install(fairseq_train_module=None, always: bool = False) -> bool:
         return True  # lightseq-train's choice stays
 
     def Trainer(cfg, task, model, criterion, quantizer=None):  # noqa: N802 - fairseq's name for it
-        return choose_trainer(cfg, task, model, criterion, quantizer, always=always)
+        return choose_trainer(cfg, task, model, criterion, quantizer, always=always, prepare=prepare)
 
     Trainer.ls_fairseq_always = always
     module.Trainer = Trainer
