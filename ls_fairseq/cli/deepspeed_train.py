@@ -2,28 +2,15 @@
 
     deepspeed --num_gpus 2 $(which lightseq-deepspeed) data-bin/wmt14_en_de \\
         --arch ls_transformer_wmt_en_de_big_t2t --share-all-embeddings \\
-        --criterion ls_label_smoothed_cross_entropy --label-smoothing 0.1 \\
-        --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --max-tokens 8192 \\
+        --criterion ls_label_smoothed_cross_entropy --max-tokens 8192 \\
         --deepspeed_config configs/deepspeed/ds_fp16_zero2.json
 
-fairseq builds everything that defines the experiment: task, datasets and batching (--max-tokens,
---update-freq), model, criterion, learning-rate schedule (--lr, --lr-scheduler), validation, logging
-and the checkpoint files. DeepSpeed owns what is in the JSON: the optimizer ("optimizer" section,
-taken from --adam-betas / --adam-eps / --weight-decay when absent), fp16 / bf16, ZeRO stage 0-2 and
-gradient clipping (--clip-norm when the JSON has none).
-
-Rules the JSON must follow: no "scheduler" (fairseq's --lr-scheduler sets the learning rate of the
-DeepSpeed optimizer every update), ZeRO stage <= 2, and the batch keys are ours: one fairseq batch
-(a --max-tokens bucket) is one micro step, ``gradient_accumulation_steps`` = --update-freq. The loss
-is normalised by the sample size of the whole update over all ranks, as fairseq-train does.
-
-Checkpoints, in --save-dir: ``deepspeed/`` (DeepSpeed's own, with optimizer and loss-scaler state:
-training resumes from it) and fairseq-format ``checkpoint_last.pt``, ``checkpoint{EPOCH}.pt``,
-``checkpoint_best.pt`` (model weights, cfg, no optimizer state) that lightseq-generate /
-fairseq-generate load with --path.
-
-This module is the command: its arguments, the DeepSpeed config and the training loop. The trainer
-it drives (one update, validation, checkpoints) is :mod:`ls_fairseq.cli.deepspeed_trainer`.
+fairseq builds what defines the experiment (task, data, batching, model, criterion, learning-rate
+schedule, validation, logging, checkpoint files); DeepSpeed owns what is in the JSON (optimizer,
+fp16 / bf16, ZeRO stage 0-2, gradient clipping). This module is the command: its arguments, the
+DeepSpeed config and the training loop; the trainer it drives (one update, validation,
+checkpoints) is :mod:`ls_fairseq.cli.deepspeed_trainer`. docs/deepspeed.md has the rules the JSON
+must follow, how the fairseq flags and the JSON meet, and the checkpoint files.
 """
 
 import json
@@ -115,8 +102,8 @@ def load_ds_config(path: str, cfg) -> Dict[str, Any]:
 
 
 def _skip_cpu_shm_comm():
-    """On the CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce (about a minute of
-    C++ build on first use). gloo's all-reduce works without it; LS_DEEPSPEED_CPU_SHM=1 builds it."""
+    """On the CPU accelerator DeepSpeed JIT-compiles a shared-memory all-reduce (a C++ build on
+    first use). gloo's all-reduce works without it; LS_DEEPSPEED_CPU_SHM=1 builds it."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu" or os.environ.get("LS_DEEPSPEED_CPU_SHM") == "1":

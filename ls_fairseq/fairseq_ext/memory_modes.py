@@ -1,23 +1,15 @@
 """Memory modes: model flags that trade a little compute for activation memory, exactly.
 
 ``--ls-invertible-layernorm``: every layer norm keeps its output for the backward instead of its input and
-recovers the normalised input as (y - bias) / weight (ls_fairseq/ops/layer_norm.py). The output is what the
-next linear layer keeps anyway, so one [tokens, embed_dim] tensor per layer norm is no longer held. The
-weights must never be exactly 0 there: a checkpoint with such a weight is refused at load, and a weight
-that reaches 0 while training makes that step's gradients NaN, which stops training with an error naming it.
-
+recovers the normalised input as (y - bias) / weight (ls_fairseq/ops/layer_norm.py). A checkpoint with a
+weight of exactly 0 is refused at load; a weight that reaches 0 while training makes that step's gradients
+NaN, which stops training with an error naming it.
 ``--ls-recompute-activation``: a gelu FFN recomputes its activation output in the backward instead of
-keeping it (ls_fairseq/ops/bias_act_linear.py): one [tokens, ffn_dim] tensor per layer, for one
-elementwise pass more. A relu FFN keeps a single tensor already (relu's gradient comes from its output), so
-the flag changes nothing there.
+keeping it (ls_fairseq/ops/bias_act_linear.py); a relu FFN keeps a single tensor already.
+``--ls-recompute-logits``: the vocabulary projection and the loss run in blocks of rows and keep no logits
+for the backward, which makes each block's logits again (ls_fairseq/ops/linear_cross_entropy.py).
 
-``--ls-recompute-logits``: the vocabulary projection and the loss run in blocks of rows and keep no logits for
-the backward, which makes each block's logits again (ls_fairseq/ops/linear_cross_entropy.py): one
-[target tokens, vocab] tensor less (the largest single activation of a translation model) for one more
-vocabulary GEMM.
-
-Attention dropout is never stored in the first place: the attention kernels regenerate it from the random
-generator's state in the backward. None of the flags changes the weights or the checkpoints.
+None of the flags changes the weights or the checkpoints. docs/memory.md says what each keeps and costs.
 """
 
 from typing import List, Optional

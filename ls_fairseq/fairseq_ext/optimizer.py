@@ -1,31 +1,13 @@
 """``--optimizer ls_adam``: fairseq's Adam over a flat fused workspace.
 
-Same flags and formula as fairseq's ``adam`` (--adam-betas, --adam-eps, --weight-decay,
---lr; decoupled weight decay, eps added to sqrt(v), bias corrections folded into the step
-size), one fused update per dtype buffer.
-
-It works under every fairseq precision mode:
-
-* fp32: parameters are fp32 and are their own master weights.
-* ``--fp16``: fairseq's FP16Optimizer hands us its flat fp32 copy; we step with the scale
-  it passes (``supports_step_with_scale``), so unscaling costs no extra pass.
-* ``--memory-efficient-fp16``: we get the fp16 parameters and gradients and keep fp32
-  master weights ourselves (in the optimizer state, so checkpoints resume exactly); the
-  wrapper's multiply_grads / clip factor is folded into the update, and
-  :meth:`clip_grad_norm` returns the (possibly non-finite) gradient norm, which is what the
-  wrapper's overflow check reads.
-
-Several GPUs. Under ``--ddp-backend legacy_ddp`` the gradients are averaged in the flat buffers
-themselves: :meth:`LSFairseqAdam.all_reduce_grads` hands that to one
-:class:`~ls_fairseq.optim.reduction.GradReduction` per DDP wrapper, which decides how (after the
-backward, or in buckets while it runs) and does it. Once :meth:`LSFairseqAdam.request_sharding` was
-called (the deferred step of ``lightseq-train`` does: by default, ``LS_FAIRSEQ_SHARD_ADAM=p2p``, only where
-the ranks can write each other's weights; with ``=1`` always; ``=0`` keeps the whole state on every rank)
-the buckets are reduce-scattered and each rank updates only its own part of the state
-(:class:`~ls_fairseq.optim.adam.LSAdam`). Under the CUDA-graph step the gradients are all-reduced
-after the backward, whole, and every rank keeps the whole state
-(:meth:`LSFairseqAdam.reduce_after_backward_only`). Checkpoints still hold the whole state: fairseq
-consolidates the optimizer on every rank before saving, so they load on any number of GPUs.
+Same flags and formula as fairseq's ``adam`` (--adam-betas, --adam-eps, --weight-decay, --lr;
+decoupled weight decay, eps added to sqrt(v), bias corrections folded into the step size), one fused
+update per dtype buffer, under every fairseq precision mode (fp32, ``--fp16``,
+``--memory-efficient-fp16``). On several GPUs (``--ddp-backend legacy_ddp``)
+:meth:`LSFairseqAdam.all_reduce_grads` averages the gradients in the flat buffers through one
+:class:`~ls_fairseq.optim.reduction.GradReduction` per DDP wrapper, and after
+:meth:`LSFairseqAdam.request_sharding` each rank may update only its own part of the state;
+checkpoints always hold the whole state. docs/optimizer.md ("ls_adam in fairseq") has the details.
 """
 
 import ast

@@ -8,19 +8,10 @@ row-wise layers then compute only those, and attention runs over each sentence's
 The loss, its gradients and the logged statistics are those of the padded batch; the values differ
 by rounding only (other GEMM shapes, hence other summation orders).
 
-:func:`pack_batch` builds the packing on the host from the padded batch (before its copy to the GPU),
-:func:`pad_packing` grows it to fixed sizes (a CUDA graph's); the ls_transformer model takes it as
-``packed`` (a dict, so that fairseq's sample utilities move its tensors with the batch):
-
-- ``src_tokens`` / ``tgt_tokens`` int64 [1, N]: the source tokens and the decoder input
-  (prev_output_tokens) of sentence 0, then of sentence 1, ..., without padding;
-- ``src_positions`` / ``tgt_positions`` int64 [1, N]: their positions as fairseq numbers them in the
-  padded batch (padding_idx + 1, + 2, ... from each sentence's first real token);
-- ``cu_src`` / ``cu_tgt`` int32 [B + 1]: sentence i is rows cu[i] .. cu[i + 1] - 1;
-- ``max_src`` / ``max_tgt``: the longest sentence's length on each side;
-- ``rows`` int64 [R]: the packed rows of the target positions the loss counts, in the order of the
-  padded rows it was given; a given row whose target is padding (ls_label_smoothed_cross_entropy rounds
-  its row count up with such rows, which the loss ignores) maps to packed row 0.
+:func:`pack_batch` builds the packing on the host from the padded batch (before its copy to the GPU;
+its docstring lists the fields), :func:`pad_packing` grows it to fixed sizes (a CUDA graph's); the
+ls_transformer model takes it as ``packed`` (a dict, so that fairseq's sample utilities move its
+tensors with the batch).
 """
 
 from typing import Dict, Optional
@@ -48,7 +39,19 @@ def pack_batch(src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor, targe
     without tokens on either side, or a counted target token whose decoder input is padding.
 
     Computed with NumPy, single-threaded: it runs in the training loop between two batches, where
-    torch's multi-threaded CPU operators cost milliseconds waking their thread pool."""
+    waking torch's multi-threaded CPU operators' thread pool costs more than the work.
+
+    The fields:
+
+    - ``src_tokens`` / ``tgt_tokens`` int64 [1, N]: the source tokens and the decoder input
+      (prev_output_tokens) of sentence 0, then of sentence 1, ..., without padding;
+    - ``src_positions`` / ``tgt_positions`` int64 [1, N]: their positions as fairseq numbers them in the
+      padded batch (padding_idx + 1, + 2, ... from each sentence's first real token);
+    - ``cu_src`` / ``cu_tgt`` int32 [B + 1]: sentence i is rows cu[i] .. cu[i + 1] - 1;
+    - ``max_src`` / ``max_tgt``: the longest sentence's length on each side;
+    - ``rows`` int64 [R]: the packed rows of the target positions the loss counts, in the order of the
+      padded rows it was given; a given row whose target is padding (ls_label_smoothed_cross_entropy rounds
+      its row count up with such rows, which the loss ignores) maps to packed row 0."""
     for name, t in (("src_tokens", src_tokens), ("prev_output_tokens", prev_output_tokens), ("target", target),
                     ("rows", rows)):
         if t.device.type != "cpu":

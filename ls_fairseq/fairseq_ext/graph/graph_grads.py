@@ -1,32 +1,14 @@
 """ls_adam's flat gradient buffers as the CUDA-graph step writes them.
 
 A captured backward cannot hand its gradients to autograd's accumulation at replay time: the
-addresses it writes are fixed at capture. The graph step therefore captures, per bucket, the
-backward with every body parameter's ``p.grad`` unset, and:
-
-* names each body parameter's slice of the flat buffer as its *sink* (``set_weight_grad_sinks``,
-  csrc/torch/weight_grads.cpp): the linear layers' weight-gradient GEMMs and the embedding tables'
-  backward write there directly, so the bulk of the gradients needs no second pass. The head's
-  weight keeps its flat view as ``p.grad`` and is a sink that is always added to
-  (``add_weight_grad_sinks``): with shared embeddings the body's lookups add their rows to it;
-* leaves the other gradients (biases, layer norms, the FP8 projections, whose nodes keep only the
-  weights' codes) to autograd, which hands each over as a tensor of the graph pool, and ends the
-  backward's capture with one multi-tensor operation that moves them into the flat buffer.
-
-Two modes, chosen per update from its number of micro-batches:
-
-* ``write`` for an update of one micro-batch: the GEMMs overwrite their sinks and the moves copy
-  (and zero the slices of parameters the body does not reach); the buffer is not zeroed
-  beforehand;
-* ``add`` for the micro-batches of ``--update-freq`` > 1: the buffer is zeroed when the update
-  begins, the GEMMs add into their sinks (beta = 1) and the moves add.
-
-Each bucket's graphs are captured for one mode; when the mode changes (``--update-freq`` varying
-by epoch) they are captured again. The head (vocabulary projection and loss) runs eagerly between
-the forward and the backward replay and accumulates into the output projection's slice, so in
-``write`` mode that slice alone is zeroed at the start of each update. A micro-batch that takes
-the eager step adds into the buffers, so in ``write`` mode they are zeroed first
-(:meth:`GraphGrads.make_zero`).
+addresses it writes are fixed at capture. Each bucket's backward is therefore captured with the body
+parameters' ``p.grad`` unset: the linear layers' weight-gradient GEMMs and the embedding tables'
+backward write straight into each parameter's slice of the flat buffer, its *sink*
+(csrc/torch/weight_grads.cpp), and the other gradients, which autograd hands over in the graph pool,
+are moved there by one multi-tensor operation at the end of the capture. Two modes, chosen per update:
+``write`` (one micro-batch: overwrite, no zeroing beforehand) and ``add`` (``--update-freq`` > 1: the
+buffer zeroed when the update begins, then accumulated into); a bucket's graphs are captured again
+when the mode changes. docs/graph_step.md ("Gradients") has the details.
 """
 
 from typing import List, Tuple

@@ -1,21 +1,12 @@
 """Packed shape buckets for the CUDA-graph step: batches of real tokens only, grown to a few fixed sizes.
 
 A packed batch (:mod:`ls_fairseq.fairseq_ext.packing`) lays the real tokens of its sentences back to back,
-so its shape is (sentences, source tokens, target tokens, longest sentence) instead of (sentences, longest
-source, longest target): no position of it is padding. For a CUDA graph it is grown to a bucket:
-
-- ``src_rows`` / ``tgt_rows``: the rows the graphs compute on each side (multiples of ROW_ALIGN). The rows a
-  batch does not fill become padding sentences of at most ``max_len`` tokens each (so they never raise the
-  longest length the attention kernels are launched for); every padding sentence has at least one source row,
-  so no query of the cross-attention is left without keys. Their target rows are never counted by the loss:
-  their gradient, and every gradient through them, is zero.
-- ``max_len``: the longest sentence the attention calls are sized for (both sides), a LENGTH_CLASSES entry: up
-  to 128 tokens the short-sequence kernels, one launch per class of lengths (ls_fairseq.ops.attention).
-- ``sentences``: the entries of the offsets (real sentences, then the padding sentences, then empty ones).
-
-The buckets are planned from the epoch's batches (fairseq freezes them once) with the padded planner's greedy
-merge (:func:`ls_fairseq.fairseq_ext.graph.shape_buckets.merge_points`), weighing computed rows by the attention
-length they are launched for, so that short sentences stay in buckets of their own length.
+so its shape is (sentences, source tokens, target tokens, longest sentence): no position of it is padding.
+For a CUDA graph it is grown to a :class:`PackedBucket` (``src_rows`` / ``tgt_rows``, ``max_len``,
+``sentences``): the rows a batch does not fill become padding sentences that the loss never counts.
+The buckets are planned from the epoch's batches with the padded planner's greedy merge
+(:func:`ls_fairseq.fairseq_ext.graph.shape_buckets.merge_points`), weighing computed rows by the attention
+length they are launched for. docs/graph_step.md ("Packed buckets") has the details.
 """
 
 from dataclasses import dataclass

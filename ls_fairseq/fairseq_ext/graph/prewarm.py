@@ -1,24 +1,13 @@
 """The first update's kernels loaded before the first epoch, beside the optimizer's setup.
 
 The first call of a CUDA kernel in a process loads its code, and the first product of a cuBLAS kernel not
-used before loads that kernel; each such load first waits for everything queued on the device. The eager
-first update of a run meets all of them at once (0.5-0.6 s of GPU time beyond a later update of
-transformer-big at 4096 tokens on an H200).
-
-Between the training iterator's creation and the first update the host builds the optimizer (ls_adam's flat
-buffers; the first optimizer built in a process also imports torch._dynamo), with the GPU idle: about a
-second. :class:`Prewarm` uses it: on a helper thread it runs a copy of the model cut to one encoder and one
-decoder layer (the same widths, dtype, vocabulary and layer-batched cross-attention keys and values) through
-the first batch, forward and backward, as the eager first update runs it. The kernels load then, for the
-whole process. A CUDA or cuBLAS call releases the interpreter's lock while it runs, so the loads proceed beside
-the optimizer's Python work; while the helper runs, the interpreter switches threads every 0.5 ms (instead of
-5), so the helper's Python between calls does not wait long for the lock.
-
-Nothing of the training is shared: the copy has its own weights and gradients, the batch is copied to the
-device on its own, and the dropout numbers the copy draws come from a generator fairseq reseeds before every
-update. The trainer waits for the helper before its first update and before anything else that runs the
-model, so whatever the helper takes beyond the optimizer's setup counts in the first epoch. Anything that
-goes wrong in the helper is logged and stops only the warm-up.
+used before loads that kernel; each such load first waits for everything queued on the device. While the
+host builds the optimizer before the first update, the GPU is idle: :class:`Prewarm` runs, on a helper
+thread, a copy of the model cut to one encoder and one decoder layer through the first batch, forward and
+backward, so the kernels load then, for the whole process. Nothing of the training is shared (own weights,
+own copy of the batch, dropout from a generator fairseq reseeds every update); the trainer waits for the
+helper before anything else runs the model, and a failure in the helper is logged and stops only the
+warm-up. docs/graph_step.md ("The warm-up of the first update") has the details.
 """
 
 import contextlib

@@ -1,30 +1,15 @@
 """Grouped shuffling: the batches of one update have similar lengths on every GPU.
 
-In a multi-GPU run every update waits for the slowest rank. fairseq builds its batches from
-sentences sorted by length, so at the same --max-tokens a batch of long sentences can cost more
-GPU time than one of short sentences, and the random shuffle puts unrelated batches on the
-ranks of an update. On two H200s (benchmarks/RESULTS.md, "Multi-GPU") grouping the updates
-changed the throughput by +0.5% at 8192 and +1.0% at 16384 tokens per GPU: most of what a
-2-GPU update costs over one GPU's is the gradient all-reduce, not a wait for the rank with the
-costlier batch. It is therefore an option, not a default. Its other use: with it, one GPU
-reproduces the updates of several.
-
-fairseq's ``--grouped-shuffling`` shuffles groups of ``num_shards`` consecutive batches of the
-length-sorted list instead of single batches, so the ranks of an update get neighbouring (similar)
-batches. LSTrainer keeps that idea and changes three details:
-
-* a group holds ``num_shards x update_freq`` batches: all micro-batches of one update, on every
-  rank. A run on 1 GPU with ``--update-freq N*k --grouped-shuffling`` therefore sees exactly the
-  data order of N GPUs with ``--update-freq k``, so the two can be compared update by update;
-* the batches that do not fill a last group are kept (fairseq drops them) and go at the end of
-  the epoch, where they cannot shift the later groups off their ranks;
-* the group boundaries move by a random offset every epoch, so the same batches are not grouped
-  together in every epoch. The one group that wraps around mixes the longest and the shortest
-  batches.
-
-The order is a function of ``--seed``, the epoch and the group size only, so a restart from a
-checkpoint continues with the same batches. With a group of one batch (1 GPU, update-freq 1),
-without shuffling and with ``--fix-batches-to-gpus`` fairseq's own order is used unchanged.
+In a multi-GPU run every update waits for the slowest rank, and fairseq's random shuffle puts unrelated
+batches (of long and of short sentences) on the ranks of an update. fairseq's ``--grouped-shuffling``
+shuffles groups of ``num_shards`` consecutive batches of the length-sorted list instead; LSTrainer keeps
+the idea with three changes: a group holds ``num_shards x update_freq`` batches (all micro-batches of one
+update, so 1 GPU with ``--update-freq N*k`` sees exactly the data order of N GPUs with ``--update-freq k``),
+the batches that do not fill a last group are kept at the end of the epoch, and the group boundaries move
+by a random offset every epoch. The order depends on ``--seed``, the epoch and the group size only, so a
+restart continues with the same batches. It is an option, not a default: an update's extra cost on
+several GPUs is mostly the gradient all-reduce, not a wait for the costlier batch
+(benchmarks/RESULTS.md, "Scaling"). docs/step.md ("Grouped shuffling") has the details.
 """
 
 import logging
