@@ -183,7 +183,9 @@ def choose_trainer(cfg, task, model, criterion, quantizer=None, always: bool = F
         run_checks.prepare_checkpoints(cfg, prog="fairseq-train", first_process=first)
         run_checks.check_data(cfg, prog="fairseq-train")
         logger.info("ls_fairseq trains this run on its own trainer (the deferred step, CUDA graphs where the run "
-                    "allows, atomic checkpoints, data checks)%s; --ls-trainer off keeps fairseq's Trainer",
+                    "allows, atomic checkpoints, data checks)%s; not taken over: lightseq-train's split of the CPU "
+                    "cores between the training processes of a machine and its process-group teardown, which "
+                    "belong to its own start; --ls-trainer off keeps fairseq's Trainer",
                     "; " + "; ".join(said) if said else "")
     return LSTrainer(cfg, task, model, criterion, quantizer)
 
