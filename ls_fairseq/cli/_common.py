@@ -8,6 +8,8 @@ import os
 import sys
 import tempfile
 
+from ls_fairseq.argv import has_flag  # noqa: F401  (the CLIs' name for it)
+
 logger = logging.getLogger(__name__)
 
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,20 +40,6 @@ def user_dir_path() -> str:
         with open(init, "w") as f:
             f.write(_PLUGIN_INIT)
     return path
-
-
-def has_flag(argv, flag: str) -> bool:
-    """Whether ``flag`` is given in argv, as ``--flag value`` or ``--flag=value``.
-
-    fairseq's parsers are built with ``allow_abbrev=False``, so only exact names count.
-    Everything after a bare ``--`` is a positional argument, not a flag.
-    """
-    for a in argv:
-        if a == "--":
-            return False
-        if a == flag or a.startswith(flag + "="):
-            return True
-    return False
 
 
 def with_user_dir(argv):

@@ -13,6 +13,8 @@ import logging
 import sys
 from typing import List, Optional
 
+from ls_fairseq.argv import has_flag
+
 logger = logging.getLogger("ls_fairseq.takeover")
 
 # lightseq-train's --bucket-cap-mb where ls_adam reduces the gradients itself: few buckets, each costing the
@@ -50,16 +52,6 @@ class FlatConfig:
         if group is None:
             raise AttributeError(f"fairseq's config has no {name}")
         setattr(group, name, value)
-
-
-def has_flag(argv, flag: str) -> bool:
-    """Whether ``flag`` is given in ``argv`` as ``--flag value`` or ``--flag=value`` (before a bare ``--``)."""
-    for a in argv:
-        if a == "--":
-            return False
-        if a == flag or a.startswith(flag + "="):
-            return True
-    return False
 
 
 # ------------------------------------------------------------------ the adjustments
