@@ -39,9 +39,9 @@ def add_fp8_args(parser):
 
 
 # A projection x [M, K] @ W^T [K, N] saves GEMM time in proportion to M K N and pays for quantising its input
-# and output gradient in proportion to M (K + N): FP8 gains where K N / (K + N) is large enough. Measured per
-# projection at 8192 tokens, forward + backward with its own casts: on an H100 1024 -> 1024 (512) ran at 0.88x of
-# bf16, 1024 -> 3072 (768) 1.06x and 1024 -> 4096 (819) 1.10x; on an H200 1.01x, 1.22x and 1.25x
+# and output gradient in proportion to M (K + N): FP8 gains where K N / (K + N) is large enough. The threshold lies
+# between transformer-big's square 1024 -> 1024 projections (K N / (K + N) = 512), which gained nothing in FP8 over
+# bf16 (forward + backward with their casts), and its 1024 -> 3072 / 4096 ones (768, 819), which gained
 # (benchmarks/RESULTS.md, "FP8").
 MIN_HARMONIC_SIZE = 640
 

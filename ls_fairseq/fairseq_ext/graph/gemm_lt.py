@@ -2,8 +2,8 @@
 
 The first product that uses a cuBLAS kernel not used before in the process waits until the GPU has finished
 everything queued, then loads the kernel. Which kernel ATen's product uses is unknown until it runs, and cuBLAS
-picks among many by exact size, so the CUDA-graph step's captures of new buckets drain the queue of pending
-updates about once in three instead of hiding behind it. With cuBLASLt on (:func:`enable`), each exact product runs
+picks among many by exact size, so the CUDA-graph step's captures of new buckets often drain the queue of
+pending updates instead of hiding behind it. With cuBLASLt on (:func:`enable`), each exact product runs
 cuBLASLt's first heuristic proposal for its shape, so the kernels a set of shapes needs are known before they
 run: :func:`preload` takes the planned buckets' token counts and, for every class of product seen so far (the
 sizes other than the token count, layouts, dtype, bias, accumulation), runs one product per distinct kernel on

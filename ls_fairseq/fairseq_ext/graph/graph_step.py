@@ -31,16 +31,16 @@ logger = logging.getLogger("fairseq.trainer")
 
 DEFAULT_BUCKETS = DEFAULT_GRAPH_BUCKETS
 WARMUP_UPDATES = 1  # eager updates before the first capture (cuBLAS handles, workspaces, kernel attributes)
-# Capture pacing. A capture costs the host about two eager micro-batches; captured back to back (the first
-# hundred updates meet most buckets), they outrun the GPU work queued before them and the GPU waits. Until the
-# batches run since the last capture have computed CAPTURE_SPACING_ROWS rows (source + target, as their buckets
-# have them: about six batches of transformer-big at --max-tokens 4096, three at 8192, some 80 ms of H100/H200 GPU
-# time, in which the host, running ahead, refills the queue a capture drained), a batch whose bucket has no graphs
-# yet runs in the cheapest captured bucket that holds it and computes at most STAND_IN_COST times its own bucket's
-# rows (weighed by attention length); its own bucket is captured at a later batch. Only when none is captured does
-# it capture at once. An update after which the host waited for the GPU to finish everything (a log line, the end
-# of an epoch) starts the count again (:meth:`GraphStep.queue_drained`). The rule counts rows and updates, not
-# time, so a run's choice of buckets (and its dropout draws) repeats.
+# Capture pacing. A capture costs the host more than an eager micro-batch; captured back to back (the first updates
+# meet most buckets), captures outrun the GPU work queued before them and the GPU waits. Until the batches run since
+# the last capture have computed CAPTURE_SPACING_ROWS rows (source + target, as their buckets have them: enough GPU
+# work for the host, running ahead, to refill the queue a capture drained; benchmarks/RESULTS.md, "First epoch"), a
+# batch whose bucket has no graphs yet runs in the cheapest captured bucket that holds it and computes at most
+# STAND_IN_COST times its own bucket's rows (weighed by attention length); its own bucket is captured at a later
+# batch. Only when no captured bucket holds it within that cost does it capture before the count is reached. An
+# update after which the host waited for the GPU to finish everything (a log line, the end of an epoch) starts the
+# count again (:meth:`GraphStep.queue_drained`). The rule counts rows and updates, not time, so a run's choice of
+# buckets (and its dropout draws) repeats.
 CAPTURE_SPACING_ROWS = 40960
 STAND_IN_COST = 2.0
 _NET_INPUT_KEYS = {"src_tokens", "src_lengths", "prev_output_tokens"}

@@ -24,7 +24,7 @@ def step_timing_summary(micro, updates, tails, gaps, skip=0.25, waits=None):
     micro-batch start to the end of the optimizer step; ``tails``: end of the last backward to
     the end of the optimizer step (gradient reduction still running, norm, Adam); ``gaps``: the
     end of the previous update to the start of this one (the sample's copy and whatever the GPU
-    waited for: a gap well above a few hundred microseconds means it waited for the host);
+    waited for: a gap well above the sample's copy means it waited for the host);
     ``waits``: host milliseconds, per update, that the host spent waiting for the previous update's
     outcome when it settled it (after queueing this update's forward and backward). Near zero, the
     host is the bottleneck: the GPU may already be idle, waiting for the next launches."""
