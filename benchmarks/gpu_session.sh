@@ -20,8 +20,9 @@
 # ratio to its round's 1-GPU run and their median (scaling_tools.py pairs), the ratios between the first variant
 # and each other one, and the machine check before and after. Logs under $OUT/scaling.
 #   VARIANTS: space-separated NAME=ENV, ENV a comma-separated list of assignments for the 2-GPU run or "-", e.g.
-#             VARIANTS="whole=LS_FAIRSEQ_SHARD_ADAM=0 sharded=LS_FAIRSEQ_SHARD_ADAM=1"; an item that starts with
-#             -- is a training flag instead (--bucket-cap-mb=100). Default: one variant "2gpu" with TWO_ENV.
+#             VARIANTS="whole=--ls-shard-state=off sharded=--ls-shard-state=on"; an item that starts with --
+#             is a training flag (--bucket-cap-mb=100), any other an assignment (NCCL_ALGO=Ring). Default: one
+#             variant "2gpu" with TWO_ENV.
 #   PROBE=1:  first, scaling_tools.py host-probe on GPU 0 (12 batches): host and GPU ms of the forward, backward
 #             and optimizer step into machine.txt; where a step's host ms come close to its GPU ms, the 2-GPU runs
 #             (one micro-batch per update) are host-bound on this machine.

@@ -6,7 +6,7 @@ None is needed to install, train or translate: the defaults are what was measure
   LS_FAIRSEQ_NO_CUDA, LS_FAIRSEQ_FORCE_CUDA, LS_FAIRSEQ_KEEP_CXX and LS_FAIRSEQ_DEBUG_SYNC, are read by setup.py
   and ls_fairseq/_build_flags.py, which run before the package can be imported);
 - diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
-- user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY, LS_FAIRSEQ_SHARD_ADAM.
+- user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY.
 
 Each is read when it is needed (not at import), so a test or a launcher may set it late.
 """
@@ -59,14 +59,4 @@ def cpu_affinity() -> str:
     if value in ("0", "false", "no", "off"):
         return "off"
     raise ValueError(f"LS_FAIRSEQ_CPU_AFFINITY={value!r}: expected auto, 0 or 1")
-
-
-def shard_adam():
-    """LS_FAIRSEQ_SHARD_ADAM: "1" shards ls_adam's state (True); "p2p", the default, only where the ranks can write
-    each other's weights ("p2p"); "0": every rank keeps the whole state (False)."""
-    value = _get("LS_FAIRSEQ_SHARD_ADAM", "p2p")
-    modes = {"0": False, "1": True, "p2p": "p2p", "": "p2p"}
-    if value not in modes:
-        raise ValueError(f"LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not {value!r}")
-    return modes[value]
 

@@ -177,7 +177,7 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):
     same weights, with clipping active. (fp32: fairseq's own fp16 overflow branch needs a CUDA
     build, and the child processes cannot be patched like the in-process tests above.) With the
     whole optimizer state on every rank (the default on gloo, which has no peer writes) the weights are
-    equal bit for bit; with it sharded (``LS_FAIRSEQ_SHARD_ADAM=1``) the gradient norm is summed in
+    equal bit for bit; with it sharded (``--ls-shard-state on``) the gradient norm is summed in
     another order, so the clipped updates agree to rounding."""
     from _models import lightseq_train_two_ranks
     from test_end_to_end import TRAIN_FLAGS
@@ -188,11 +188,10 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):
     flags = [*TRAIN_FLAGS, "--max-update", "9", "--clip-norm", "0.1", "--dropout", "0", "--log-interval", "3",
              "--disable-validation"]
     runs = {}
-    for name, env, extra in (("sync", {}, ["--ls-trainer", "off"]), ("deferred", {}, []),
-                             ("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}, [])):
+    for name, extra in (("sync", ["--ls-trainer", "off"]), ("deferred", []), ("sharded", ["--ls-shard-state", "on"])):
         save = tmp_path / name
         save.mkdir()
-        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, *extra], env=env)
+        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, *extra])
     with open(tmp_path / "sharded" / "rank0.log") as f:
         assert "optimizer state sharded over 2 ranks" in f.read()
     with open(tmp_path / "deferred" / "rank0.log") as f:

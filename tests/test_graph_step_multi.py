@@ -104,14 +104,14 @@ def _flat_reduction(engine):
 
 
 def _two_rank_worker(rank, port, out_dir):
-    os.environ["LS_FAIRSEQ_SHARD_ADAM"] = "1"  # asked for: the graph step keeps the whole state anyway
     save = os.path.join(out_dir, "two")
     packed = os.path.exists(os.path.join(out_dir, "packed"))
     with _graph_step_on_cpu(packed) as seen, log_lines() as lines:
         lightseq_train([os.path.join(out_dir, "data"), "--save-dir", save, *FLAGS,
                         "--distributed-world-size", "2", "--distributed-rank", str(rank),
                         "--distributed-backend", "gloo", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-                        "--distributed-no-spawn", "--ls-graph-step", "on"])
+                        "--distributed-no-spawn", "--ls-graph-step", "on",
+                        "--ls-shard-state", "on"])  # asked for: the graph step keeps the whole state anyway
     engine, = seen["engines"]
     save_rank_result(out_dir, rank, {"losses": seen["losses"], "graphed": engine.counts["graph"],
                                      "padded": seen["padded"], "reduction": _flat_reduction(engine),

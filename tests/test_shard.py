@@ -256,9 +256,9 @@ from test_end_to_end import inner_by_update, train  # noqa: E402
 
 
 def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, tmp_path):
-    """lightseq-train on two gloo ranks with the optimizer state sharded (``LS_FAIRSEQ_SHARD_ADAM=1``),
-    with the default (``p2p``: gloo has no peer writes, so the whole state) and with the whole state on
-    every rank (``=0``): no clipping, so the updates agree bit for bit, and so do the checkpoints (the
+    """lightseq-train on two gloo ranks with the optimizer state sharded (``--ls-shard-state on``), with
+    the default (``auto``: only with peer writes, which gloo has not, so the whole state) and with the
+    whole state on every rank (``off``): no clipping, so the updates agree bit for bit, and so do the checkpoints (the
     sharded run consolidates before saving). The sharded checkpoint resumes on two ranks and on one
     process with --update-freq 2."""
     from _models import lightseq_train_two_ranks
@@ -266,13 +266,13 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
 
     flags = [*TRAIN_FLAGS, "--dropout", "0", "--log-interval", "3", "--disable-validation"]
     runs = {}
-    for name, env in (("sharded", {"LS_FAIRSEQ_SHARD_ADAM": "1"}), ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"}),
-                      ("p2p", {})):
+    for name, shard in (("sharded", ["--ls-shard-state", "on"]), ("whole", ["--ls-shard-state", "off"]),
+                        ("auto", [])):
         save = tmp_path / name
         save.mkdir()
-        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, "--max-update", "6"], env=env)
-    # p2p shards only with peer writes, which gloo cannot have: the whole state, every rank agreeing
-    with open(tmp_path / "p2p" / "rank0.log") as f:
+        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, *shard, "--max-update", "6"])
+    # auto shards only with peer writes, which gloo cannot have: the whole state, every rank agreeing
+    with open(tmp_path / "auto" / "rank0.log") as f:
         log = f.read()
     assert "optimizer state not sharded (no peer writes: the weights are not on one CUDA device)" in log
     assert "optimizer state sharded over" not in log
@@ -285,7 +285,7 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
     # peer writes need two CUDA devices: on gloo every rank falls back on the all-gathers together
     assert "sharded weights are all-gathered (no peer writes: the weights are not on one CUDA device)" in log
     assert "the forward waits for the weights' all-gathers layer by layer (4 layers" in log
-    for name in ("sharded", "p2p"):
+    for name in ("sharded", "auto"):
         assert sorted(runs[name]) == sorted(runs["whole"]) == [3, 6]
         for u in (3, 6):
             for k in ("loss", "nll_loss", "gnorm", "wpb"):
@@ -300,7 +300,7 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
     one.mkdir()
     shutil.copy(tmp_path / "sharded" / "checkpoint_last.pt", one / "checkpoint_last.pt")
     more = lightseq_train_two_ranks(data_bin, tmp_path / "sharded", tmp_path / "sharded",
-                                    [*flags, "--max-update", "9"], env={"LS_FAIRSEQ_SHARD_ADAM": "1"})
+                                    [*flags, "--ls-shard-state", "on", "--max-update", "9"])
     with open(tmp_path / "sharded" / "rank0.log") as f:
         assert "Loaded checkpoint" in f.read()
     assert sorted(more) == [9]
@@ -310,20 +310,21 @@ def test_sharded_checkpoints_hold_the_whole_state_and_resume_anywhere(data_bin, 
     assert float(records[9]["loss"]) == pytest.approx(float(more[9]["loss"]), abs=0.01)
 
 
-def test_shard_setting_is_checked(monkeypatch):
-    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
-    from ls_fairseq.env import shard_adam
+def test_shard_setting_is_checked(tmp_path):
+    """--ls-shard-state is an option of ls_adam (auto, on, off; auto by default); LSTrainer reads it from the
+    optimizer's config when it sets up the deferred step."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    for value, want in (("0", False), ("1", True), ("p2p", "p2p")):
-        monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", value)
-        assert shard_adam() == want
-    monkeypatch.delenv("LS_FAIRSEQ_SHARD_ADAM")
-    assert shard_adam() == "p2p"  # the default: shard where the ranks write each other's weights
-    monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", "")
-    assert shard_adam() == "p2p"
-    monkeypatch.setenv("LS_FAIRSEQ_SHARD_ADAM", "yes")
-    with pytest.raises(ValueError, match="LS_FAIRSEQ_SHARD_ADAM must be 0, 1 or p2p, not 'yes'"):
-        shard_adam()
+    from ls_fairseq.cli import train
+    from ls_fairseq.fairseq_ext.optimizer import LSAdamConfig, LSFairseqAdam
+
+    base = [str(tmp_path), "--arch", "ls_transformer_tiny", "--optimizer", "ls_adam", "--lr", "1e-3",
+            "--criterion", "ls_label_smoothed_cross_entropy", "--max-tokens", "64", "--cpu"]
+    for extra, want in (([], "auto"), (["--ls-shard-state", "on"], "on"), (["--ls-shard-state", "off"], "off")):
+        cfg = convert_namespace_to_omegaconf(train.parse(base + extra))
+        assert str(cfg.optimizer.ls_shard_state) == want
+    with pytest.raises(SystemExit):
+        train.parse(base + ["--ls-shard-state", "p2p"])
     opt = LSFairseqAdam(LSAdamConfig(lr=[0.01]), [torch.nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="request_sharding takes True, False or 'p2p', not 'P2P'"):
         opt.request_sharding("P2P")

@@ -42,6 +42,12 @@ GRAPH_STEP_HELP = (
     "the loss and gradients unchanged). auto: on one GPU; on several GPUs the eager step, whose gradient "
     "all-reduce overlaps the backward (on: the graphs there too, with the all-reduce after the backward); off: "
     "the eager step. Runs that cannot take it use the eager step and say why in the log")
+SHARD_STATE_CHOICES = ChoiceEnum(["auto", "on", "off"])
+SHARD_STATE_HELP = (
+    "on several GPUs, each keeps and updates only its part of the optimizer state (the gradients are "
+    "reduce-scattered, the new weights gathered; checkpoints still hold the whole state). auto: where the GPUs "
+    "write each other's weights directly (two GPUs of one host); on: wherever the gradient buckets split evenly; "
+    "off: the whole state on every GPU. The CUDA-graph step keeps the whole state")
 GRAPH_BUCKETS_HELP = (
     "at most this many batch shapes (one pair of CUDA graphs each) for --ls-graph-step: packed buckets (the "
     "real tokens back to back) in fp16 / bf16, padded ones in fp32; fewer buckets capture faster but compute "
@@ -60,6 +66,7 @@ class LSAdamConfig(FairseqDataclass):
     ls_trainer: LS_TRAINER_CHOICES = field(default="auto", metadata={"help": LS_TRAINER_HELP})
     ls_graph_step: GRAPH_STEP_CHOICES = field(default="auto", metadata={"help": GRAPH_STEP_HELP})
     ls_graph_buckets: int = field(default=DEFAULT_GRAPH_BUCKETS, metadata={"help": GRAPH_BUCKETS_HELP})
+    ls_shard_state: SHARD_STATE_CHOICES = field(default="auto", metadata={"help": SHARD_STATE_HELP})
 
 
 def parse_betas(betas):

@@ -40,7 +40,7 @@ def _graphed_micro_batches(log: str) -> int:
 
 def _ten_updates_per_setting(data_bin, tmp_path, precision, settings):
     """lightseq-train on two GPUs (NCCL), ten updates from the same batches (dropout 0, grouped shuffling),
-    once per ``(name, env, fallback)`` of ``settings``, each in ``tmp_path / name``: {name: train_inner
+    once per ``(name, flags, fallback)`` of ``settings``, each in ``tmp_path / name``: {name: train_inner
     records by update}. ``fallback`` "weights" / "inboxes": as where the GPUs cannot map each other's
     weights / gradient inboxes (tests/_peer_fallback.py); None: as they are. The eager step: the
     reductions overlapped with the backward and the sharded state work through hooks in the backward,
@@ -49,12 +49,12 @@ def _ten_updates_per_setting(data_bin, tmp_path, precision, settings):
     flags = [*GPU_FLAGS, *precision, "--dropout", "0", "--max-update", "10", "--log-interval", "1",
              "--grouped-shuffling", "--disable-validation", "--ls-graph-step", "off"]
     runs = {}
-    for name, env, fallback in settings:
+    for name, extra, fallback in settings:
         (tmp_path / name).mkdir()
         runner = None
         if fallback is not None:
             runner = lambda r, f=fallback: [sys.executable, script, f]  # noqa: E731
-        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, flags, env=env,
+        runs[name] = lightseq_train_two_ranks(data_bin, tmp_path / name, tmp_path / name, [*flags, *extra],
                                               backend="nccl", runner=runner)
     return runs
 
@@ -111,16 +111,15 @@ def test_sharded_adam_on_two_gpus_equals_the_whole_state(data_bin, tmp_path, pre
     """NCCL's in-place reduce-scatter, then the new weights reach the other GPU either through the
     update kernel's own stores into it (symmetric memory, the default on two GPUs) or through
     all-gathers (the fallback where the GPUs cannot map each other's memory, and the path of other GPU
-    counts): the sharded run (``LS_FAIRSEQ_SHARD_ADAM=1``, or the
-    default ``=p2p``, which on two GPUs of one host shards with peer writes) takes the updates of the
-    run with the whole optimizer state on every rank (``=0``) bit for bit (no clipping: the
-    norm, summed in another order, only decides overflows), and its checkpoint holds the same whole
-    state."""
+    counts): the sharded run (``--ls-shard-state on``, or the default ``auto``, which on two GPUs of
+    one host shards with peer writes) takes the updates of the run with the whole optimizer state on
+    every rank (``off``) bit for bit (no clipping: the norm, summed in another order, only decides
+    overflows), and its checkpoint holds the same whole state."""
     _need_two_gpus()
-    sharded_env = {} if peer == "default" else {"LS_FAIRSEQ_SHARD_ADAM": "1"}
+    sharded = [] if peer == "default" else ["--ls-shard-state", "on"]
     fallback = "weights" if peer == "all_gathers" else None
-    runs = _ten_updates_per_setting(data_bin, tmp_path, precision, (("sharded", sharded_env, fallback),
-                                                                    ("whole", {"LS_FAIRSEQ_SHARD_ADAM": "0"}, None)))
+    runs = _ten_updates_per_setting(data_bin, tmp_path, precision, (("sharded", sharded, fallback),
+                                                                    ("whole", ["--ls-shard-state", "off"], None)))
     log = (tmp_path / "sharded" / "rank0.log").read_text()
     assert "optimizer state sharded over 2 ranks" in log
     if peer != "all_gathers":
@@ -163,7 +162,7 @@ def test_peer_copies_take_the_updates_of_nccl_reduce_scatter(data_bin, tmp_path,
     inbox: ten updates use both) and the same checkpoint."""
     _need_two_gpus()
     runs = _ten_updates_per_setting(data_bin, tmp_path, precision,
-                                    (("peer", {}, None), ("nccl", {}, "inboxes")))
+                                    (("peer", [], None), ("nccl", [], "inboxes")))
     assert "copied to the other GPU by a copy engine" in (tmp_path / "peer" / "rank0.log").read_text()
     nccl_log = (tmp_path / "nccl" / "rank0.log").read_text()
     assert "no peer copies: symmetric memory mapping refused" in nccl_log

@@ -159,7 +159,8 @@ class LSTrainer(Trainer):
         if reason is not None:
             logger.info("LSTrainer: fairseq's step body (%s)", reason)
             return None
-        shard = env.shard_adam()
+        # --ls-shard-state auto: only where the ranks write each other's weights (request_sharding's "p2p")
+        shard = {"auto": "p2p", "on": True, "off": False}[str(getattr(inner.cfg, "ls_shard_state", "auto"))]
         if self.data_parallel_world_size > 1 and shard:
             inner.request_sharding(shard)
         logger.info("LSTrainer: deferred step (the loss scale, clipping and the overflow test stay on the GPU; "
