@@ -85,10 +85,9 @@ def host_compiler_env():
     """Environment overrides (CXX, CC) that give the build a host compiler linking the shared libstdc++.
 
     Empty when the configured compiler ($CXX, default c++) already does, or when no alternative on PATH
-    does (a warning then says so). LS_FAIRSEQ_KEEP_CXX=1 keeps the configured compiler unconditionally.
+    does (a warning then says so). A configured compiler that links it statically is never kept: its
+    module would crash on its first error message, and setup.py refuses such a module.
     """
-    if os.environ.get("LS_FAIRSEQ_KEEP_CXX") == "1":
-        return {}
     cxx = os.environ.get("CXX", "c++")
     if _probe(cxx) is not False:
         return {}
@@ -104,7 +103,7 @@ def host_compiler_env():
                 env["CC"] = cc
             logger.warning("ls_fairseq: %s links libstdc++ statically into shared objects (a second copy of "
                            "libstdc++ inside the extension crashes on the first error message); building with "
-                           "%s instead (LS_FAIRSEQ_KEEP_CXX=1 keeps %s)", cxx, env, cxx)
+                           "%s instead", cxx, env)
             return env
     logger.warning("ls_fairseq: %s links libstdc++ statically into shared objects and no other host compiler on "
                    "PATH links it dynamically; the extension's error path may crash", cxx)
