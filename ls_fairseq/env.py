@@ -6,7 +6,7 @@ None is needed to install, train or translate: the defaults are what was measure
   LS_FAIRSEQ_NO_CUDA, LS_FAIRSEQ_FORCE_CUDA and LS_FAIRSEQ_DEBUG_SYNC, are read by setup.py
   and ls_fairseq/_build_flags.py, which run before the package can be imported);
 - diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
-- user settings: LS_FAIRSEQ_DETERMINISTIC, LS_FAIRSEQ_CPU_AFFINITY.
+- user settings: LS_FAIRSEQ_CPU_AFFINITY.
 
 Each is read when it is needed (not at import), so a test or a launcher may set it late.
 """
@@ -45,10 +45,6 @@ def step_timing() -> bool:
 
 
 # ------------------------------------------------------------ user settings
-def deterministic() -> bool:
-    return _on("LS_FAIRSEQ_DETERMINISTIC")
-
-
 def cpu_affinity() -> str:
     """'auto', 'on' or 'off' (LS_FAIRSEQ_CPU_AFFINITY: auto, 1, 0)."""
     value = _get("LS_FAIRSEQ_CPU_AFFINITY", "auto").lower()

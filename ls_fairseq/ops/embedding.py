@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from ls_fairseq.ops._checks import check_dropout, up
 from ls_fairseq.ops._dispatch import kernel_module
 from ls_fairseq.ops._kernels import call, unpack_mask
-from ls_fairseq import env
 
 
 def embedding_reference(tokens, weight, pos_weight=None, positions=None, scale: float = 1.0, p: float = 0.0,
@@ -60,12 +59,12 @@ def embedding(tokens, weight, pos_weight=None, positions=None, *, scale: float =
 
 
 def deterministic() -> bool:
-    """Whether bit-identical gradients are asked for (LS_FAIRSEQ_DETERMINISTIC=1 or torch's flag).
+    """Whether bit-identical gradients are asked for (``torch.use_deterministic_algorithms(True)``).
 
     The fused embedding backward is sort-based and deterministic in every mode, so this only
     documents the contract; kernels that gain a faster atomic path must check it.
     """
-    return env.deterministic() or torch.are_deterministic_algorithms_enabled()
+    return torch.are_deterministic_algorithms_enabled()
 
 
 class _EmbeddingFn(torch.autograd.Function):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ls_fairseq.ops import embedding
-from ls_fairseq.ops.embedding import embedding_reference
+from ls_fairseq.ops.embedding import deterministic, embedding_reference
 from ._tols import DTYPES, assert_close_to_gold, keep_rate_ok
 
 pytestmark = pytest.mark.gpu
@@ -59,10 +59,20 @@ def test_embedding_matches_reference(dtype, C, BT, p, zero_pad, learned_pos):
     assert gf[0][PAD].abs().max().item() == 0.0  # padding row never receives gradient
 
 
-@pytest.mark.parametrize("env", [True, False])
-def test_embedding_backward_bit_identical(monkeypatch, env):
-    if env:
-        monkeypatch.setenv("LS_FAIRSEQ_DETERMINISTIC", "1")
+@pytest.fixture
+def deterministic_algorithms():
+    """Sets torch.use_deterministic_algorithms for one test and restores it after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield torch.use_deterministic_algorithms
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_embedding_backward_bit_identical(deterministic_algorithms, asked):
+    """The sorted backward gives the same bits run after run, whether or not torch's deterministic mode (which
+    ls_fairseq.ops.embedding.deterministic() reports) asks for it."""
+    deterministic_algorithms(asked)
+    assert deterministic() is asked
     tokens, positions, W, Pw = _inputs(64, 128, 503, 1024, 130, seed=3)
     W = W.half().requires_grad_(True)
     g = torch.randn(64, 128, 1024, device="cuda", dtype=torch.float16)
