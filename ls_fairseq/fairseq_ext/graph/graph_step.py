@@ -130,6 +130,8 @@ class GraphStep(GraphCapture):
         self._dev_in = self._feat_buf = self._grad_buf = None
         self._instantiator = None  # the helper thread that instantiates captured graphs (_instantiate)
         self._defer_instantiation = True
+        self._key = None  # the optimizer buffers the graphs read and write (_buffers_key)
+        self._summarised = None  # the counts the last log_summary reported
         self.grads = GraphGrads(self.model, trainer.data_parallel_world_size)
         import atexit
 
@@ -236,7 +238,7 @@ class GraphStep(GraphCapture):
         else:
             inputs = padded_inputs(sample, bucket, self.criterion, self.pad, self.eos, self.left_pad_source)
         key = self._buffers_key(optimizer)
-        if key != self.__dict__.get("_key"):
+        if key != self._key:
             if self.graphs:  # a new optimizer (its own flat buffers): the graphs read and write the old ones
                 logger.info("CUDA-graph step: the parameter buffers changed; the buckets are captured again")
                 self.graphs.clear()
@@ -303,7 +305,7 @@ class GraphStep(GraphCapture):
     def log_summary(self) -> None:
         """One line on what the graphs did so far (at the end of each epoch and of the run)."""
         seen = (self.counts["graph"], self.counts["eager"])
-        if seen == self.__dict__.get("_summarised"):
+        if seen == self._summarised:
             return
         self._summarised = seen
         parts = ", ".join(f"{v:.1f} s {k}" for k, v in self.capture_parts.items())
