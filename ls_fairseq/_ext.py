@@ -2,7 +2,8 @@
 
 Order of attempts:
   1. the prebuilt module installed by ``setup.py`` (``ls_fairseq/_C*.so``);
-  2. if ``LS_FAIRSEQ_JIT=1``: a JIT build through ``torch.utils.cpp_extension.load`` + ninja.
+  2. if ``LS_FAIRSEQ_JIT=1`` (or ``=verbose``, which shows the compiler's commands): a JIT build
+     through ``torch.utils.cpp_extension.load`` + ninja.
 
 ``LS_FAIRSEQ_DISABLE_KERNELS=1`` forces the pure-PyTorch reference path everywhere.
 Nothing here touches CUDA at import time; the first call to :func:`get` does the loading.

@@ -2,7 +2,7 @@
 
 None is needed to install, train or translate: the defaults are what was measured best. What is left:
 
-- loading the extension: LS_FAIRSEQ_JIT, LS_FAIRSEQ_JIT_VERBOSE, LS_FAIRSEQ_BUILD_DIR (the build-time ones,
+- loading the extension: LS_FAIRSEQ_JIT (1 or verbose), LS_FAIRSEQ_BUILD_DIR (the build-time ones,
   LS_FAIRSEQ_NO_CUDA, LS_FAIRSEQ_FORCE_CUDA and LS_FAIRSEQ_DEBUG_SYNC, are read by setup.py
   and ls_fairseq/_build_flags.py, which run before the package can be imported);
 - diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
@@ -23,12 +23,20 @@ def _on(name: str) -> bool:
 
 
 # ------------------------------------------------------------ building and loading the extension
+def _jit() -> str:
+    """LS_FAIRSEQ_JIT: unset or 0 (no JIT build), 1 (build on first use), verbose (and show the compiler)."""
+    value = _get("LS_FAIRSEQ_JIT").lower()
+    if value not in ("", "0", "1", "verbose"):
+        raise ValueError(f"LS_FAIRSEQ_JIT={value!r}: expected 0, 1 or verbose")
+    return value
+
+
 def jit() -> bool:
-    return _on("LS_FAIRSEQ_JIT")
+    return _jit() in ("1", "verbose")
 
 
 def jit_verbose() -> bool:
-    return _on("LS_FAIRSEQ_JIT_VERBOSE")
+    return _jit() == "verbose"
 
 
 def build_dir() -> str:

@@ -24,3 +24,43 @@ def test_a_compiler_that_links_libstdcxx_statically_is_replaced(tmp_path, monkey
     assert _build_flags._probe(env["CXX"]) is True
     monkeypatch.setenv("CXX", gxx)
     assert _build_flags.host_compiler_env() == {}
+
+
+def test_jit_builds_on_first_use_when_asked_and_verbose_shows_the_compiler(tmp_path, monkeypatch):
+    """LS_FAIRSEQ_JIT: unset / 0 no JIT build (the reason says how to ask), 1 a quiet one, verbose a verbose
+    one, in LS_FAIRSEQ_BUILD_DIR; anything else is refused by name. The build itself is stood in for."""
+    import importlib
+
+    import torch
+    from torch.utils import cpp_extension
+
+    from ls_fairseq import _ext
+
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw) or "the module")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # as a CUDA build of torch
+    monkeypatch.setattr(_build_flags, "host_compiler_env", lambda: {})
+    real_import = importlib.import_module
+
+    def no_prebuilt(name, *a):
+        if name == "ls_fairseq._C":
+            raise ImportError("no prebuilt module here")
+        return real_import(name, *a)
+
+    monkeypatch.setattr(_ext.importlib, "import_module", no_prebuilt)
+    monkeypatch.setenv("LS_FAIRSEQ_BUILD_DIR", str(tmp_path / "jit"))
+    for value, verbose in ((None, None), ("0", None), ("1", False), ("verbose", True), ("Verbose", True)):
+        if value is None:
+            monkeypatch.delenv("LS_FAIRSEQ_JIT", raising=False)
+        else:
+            monkeypatch.setenv("LS_FAIRSEQ_JIT", value)
+        calls.clear()
+        module, why, source = _ext._load()
+        if verbose is None:
+            assert module is None and calls == [] and "set LS_FAIRSEQ_JIT=1 to build it just in time" in why
+        else:
+            assert (module, why, source) == ("the module", None, "jit")
+            assert calls[0]["verbose"] is verbose and calls[0]["build_directory"] == str(tmp_path / "jit")
+    monkeypatch.setenv("LS_FAIRSEQ_JIT", "yes")
+    with pytest.raises(ValueError, match="LS_FAIRSEQ_JIT='yes': expected 0, 1 or verbose"):
+        _ext._load()
