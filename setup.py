@@ -1,14 +1,14 @@
 """Build ls_fairseq (metadata and entry points are in pyproject.toml).
 
-The CUDA extension ls_fairseq._C is built when torch is a CUDA build and nvcc is found (or
-LS_FAIRSEQ_FORCE_CUDA=1); otherwise a pure-Python package is installed and the ops run their
-PyTorch references. torch is deliberately not a dependency: the environment's own torch is used,
-and pip must not build in an isolated environment without it. Install with:
+The CUDA extension ls_fairseq._C is built when torch is a CUDA build and nvcc is found; otherwise a
+pure-Python package is installed and the ops run their PyTorch references (LS_FAIRSEQ_CUDA=1: stop
+instead, with the reason). torch is deliberately not a dependency: the environment's own torch is
+used, and pip must not build in an isolated environment without it. Install with:
 
     pip install --no-build-isolation -e .
 
 On a machine with an NVIDIA GPU a build that cannot make the extension stops with the reason
-(LS_FAIRSEQ_NO_CUDA=1 installs without it on purpose).
+(LS_FAIRSEQ_CUDA=0 installs without it on purpose).
 """
 
 import glob
@@ -21,7 +21,7 @@ from setuptools import find_packages, setup
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "ls_fairseq"))
-from _build_flags import cxx_flags, host_compiler_env, links_shared_libstdcxx, nvcc_flags  # noqa: E402
+from _build_flags import cuda_setting, cxx_flags, host_compiler_env, links_shared_libstdcxx, nvcc_flags  # noqa: E402
 
 sys.path.pop(0)
 
@@ -40,19 +40,26 @@ def _gpu_visible() -> bool:
     return "GPU" in out
 
 
-def _without_extension(reason: str, fix: str):
-    """Install the pure-Python package, or stop when a GPU is here (it would silently train on the slow path)."""
+def _without_extension(reason: str, fix: str, setting: str):
+    """Install the pure-Python package, or stop when a GPU is here (it would silently train on the slow path) or
+    the extension was asked for (LS_FAIRSEQ_CUDA=1)."""
+    if setting == "1":
+        sys.exit(f"ls_fairseq: LS_FAIRSEQ_CUDA=1, but the CUDA extension cannot be built: {reason}. {fix}")
     if _gpu_visible():
         sys.exit(f"ls_fairseq: this machine has an NVIDIA GPU, but the CUDA extension cannot be built: {reason}. "
-                 f"{fix} (LS_FAIRSEQ_NO_CUDA=1 installs without the extension on purpose.)")
+                 f"{fix} (LS_FAIRSEQ_CUDA=0 installs without the extension on purpose.)")
     print(f"ls_fairseq: {reason}; installing without the CUDA extension (the ops run their PyTorch references)",
           file=sys.stderr)
     return [], {}
 
 
 def _cuda_extension():
-    if os.environ.get("LS_FAIRSEQ_NO_CUDA") == "1":
-        print("ls_fairseq: LS_FAIRSEQ_NO_CUDA=1, installing without the CUDA extension", file=sys.stderr)
+    try:
+        setting = cuda_setting()
+    except ValueError as e:
+        sys.exit(f"ls_fairseq: {e}")
+    if setting == "0":
+        print("ls_fairseq: LS_FAIRSEQ_CUDA=0, installing without the CUDA extension", file=sys.stderr)
         return [], {}
     try:
         import torch
@@ -61,18 +68,18 @@ def _cuda_extension():
         return _without_extension(
             "torch is not importable in the build environment",
             "Install torch first, then build without isolation: pip install --no-build-isolation -e . "
-            "(or run bash scripts/setup.sh).")
-    if torch.version.cuda is None and os.environ.get("LS_FAIRSEQ_FORCE_CUDA") != "1":
+            "(or run bash scripts/setup.sh).", setting)
+    if torch.version.cuda is None:  # then torch.utils.cpp_extension finds no CUDA either
         return _without_extension(f"torch {torch.__version__} is a CPU-only build",
-                                  "Install a CUDA build of torch (https://pytorch.org/get-started/locally/).")
+                                  "Install a CUDA build of torch (https://pytorch.org/get-started/locally/).", setting)
     if CUDA_HOME is None:
         return _without_extension("nvcc was not found (CUDA_HOME unset)",
-                                  "Install the CUDA toolkit matching torch.version.cuda, or set CUDA_HOME.")
+                                  "Install the CUDA toolkit matching torch.version.cuda, or set CUDA_HOME.", setting)
     sources = sorted(glob.glob("csrc/kernels/*.cu")) + sorted(glob.glob("csrc/torch/*.cpp"))
     sources += sorted(glob.glob("csrc/torch/*.cu"))
     if not any(s.endswith("bindings.cpp") for s in sources):
-        print("ls_fairseq: csrc/torch/bindings.cpp missing, installing without the CUDA extension")
-        return [], {}
+        return _without_extension("csrc/torch/bindings.cpp is missing", "Build from a complete source checkout.",
+                                  setting)
     # Default archs: Ampere (sm_80) and Hopper (sm_90) with PTX for newer chips.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     ext = CUDAExtension(

@@ -26,6 +26,16 @@ def abi_flags():
         return []
 
 
+def cuda_setting():
+    """LS_FAIRSEQ_CUDA, read by setup.py: "auto" (default: build the CUDA extension where torch is a CUDA
+    build and nvcc is found), "0" (install without it) or "1" (it is required: stop with the reason where
+    it cannot be built)."""
+    value = os.environ.get("LS_FAIRSEQ_CUDA", "").strip().lower() or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"LS_FAIRSEQ_CUDA={value!r}: expected auto, 0 or 1")
+    return value
+
+
 def cxx_flags():
     return ["-O3", "-std=c++17"] + abi_flags()
 

@@ -3,8 +3,8 @@
 None is needed to install, train or translate: the defaults are what was measured best. What is left:
 
 - loading the extension: LS_FAIRSEQ_JIT (1 or verbose), LS_FAIRSEQ_BUILD_DIR (the build-time ones,
-  LS_FAIRSEQ_NO_CUDA, LS_FAIRSEQ_FORCE_CUDA and LS_FAIRSEQ_DEBUG_SYNC, are read by setup.py
-  and ls_fairseq/_build_flags.py, which run before the package can be imported);
+  LS_FAIRSEQ_CUDA and LS_FAIRSEQ_DEBUG_SYNC, are read by ls_fairseq/_build_flags.py, which setup.py
+  loads before the package can be imported);
 - diagnosis: LS_FAIRSEQ_DISABLE_KERNELS (the PyTorch references on the GPU), LS_FAIRSEQ_STEP_TIMING;
 - user settings: LS_FAIRSEQ_CPU_AFFINITY.
 

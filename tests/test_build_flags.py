@@ -64,3 +64,43 @@ def test_jit_builds_on_first_use_when_asked_and_verbose_shows_the_compiler(tmp_p
     monkeypatch.setenv("LS_FAIRSEQ_JIT", "yes")
     with pytest.raises(ValueError, match="LS_FAIRSEQ_JIT='yes': expected 0, 1 or verbose"):
         _ext._load()
+
+
+def _setup_py(setting):
+    """``python setup.py --name`` (setup.py decides on the extension when it is read) with LS_FAIRSEQ_CUDA set
+    to ``setting``: (exit status, output)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, LS_FAIRSEQ_CUDA=setting)
+    out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_cuda_setting_is_checked(monkeypatch):
+    monkeypatch.delenv("LS_FAIRSEQ_CUDA", raising=False)
+    assert _build_flags.cuda_setting() == "auto"
+    for value, want in (("", "auto"), ("AUTO", "auto"), ("0", "0"), (" 1 ", "1")):
+        monkeypatch.setenv("LS_FAIRSEQ_CUDA", value)
+        assert _build_flags.cuda_setting() == want
+    monkeypatch.setenv("LS_FAIRSEQ_CUDA", "yes")
+    with pytest.raises(ValueError, match="LS_FAIRSEQ_CUDA='yes': expected auto, 0 or 1"):
+        _build_flags.cuda_setting()
+
+
+def test_setup_py_builds_no_extension_with_0_and_stops_with_1_where_it_cannot():
+    """0 installs the pure-Python package; 1 stops with the reason where the extension cannot be built (here: a
+    CPU-only torch), and a bad value stops with one line naming the variable."""
+    import torch
+
+    code, out = _setup_py("0")
+    assert code == 0 and "LS_FAIRSEQ_CUDA=0, installing without the CUDA extension" in out
+    code, out = _setup_py("maybe")
+    assert code != 0 and "ls_fairseq: LS_FAIRSEQ_CUDA='maybe': expected auto, 0 or 1" in out
+    assert "Traceback" not in out
+    if torch.version.cuda is None:
+        code, out = _setup_py("1")
+        assert code != 0 and "LS_FAIRSEQ_CUDA=1, but the CUDA extension cannot be built: torch" in out
+        assert "is a CPU-only build" in out and "Traceback" not in out
