@@ -1,20 +1,18 @@
 """Training quality, native fairseq vs ls_fairseq, from the same seed on a learnable corpus.
 
-Generates the rule-based toy language of the demo at scale (scripts/make_toy_corpus.py),
-binarizes it, then trains each run with identical flags and the same seed, validating every
---validate-every updates, and translates the test set with beam 4. Prints the validation-loss
-curves side by side, the final sacreBLEU of each run and the relative differences to native.
+Generates the demo's rule-based toy language at scale (scripts/make_toy_corpus.py), binarizes it, trains each
+run with identical flags and seed, validating every --validate-every updates, translates the test set with beam 4
+and prints the validation-loss curves side by side, each run's sacreBLEU and the relative differences to native.
 
     python benchmarks/quality.py --out OUT [--pairs 300000] [--arch transformer_wmt_en_de]
         [--max-update 2000] [--validate-every 250] [--lr 3e-4] [--clip-norm 1.0] [--schedule linear_decay]
         [--runs native_fp16,ls_fp16,ls_bf16,ls-fp8_bf16,ls-fp8-e4m3_bf16,ls-fp8-all_bf16]
     python benchmarks/quality.py --out /tmp/q --cpu-smoke      # tiny, fp32, on the CPU
+    python benchmarks/quality.py decode --out OUT [...]       # decoding speed, native vs ls (decode --help)
 
 Runs: KIND_PRECISION, KIND one of native, ls, ls-fp8 (--fp8) and ls-fp8 with options: -e4m3 / -e5m2 (the gradient
 format), -all (--fp8-projections all: every projection in FP8, the vocabulary projection too, which the toy
 vocabulary is too small for under auto).
-
-    python benchmarks/quality.py decode --out OUT [...]   # decoding speed, native vs ls (decode --help)
 """
 
 import argparse
@@ -111,11 +109,12 @@ GEN_RUNS = ("native", "ls", "user_dir")  # the first is the baseline of every co
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s "
                         r"\(([\d.]+) sentences/s, ([\d.]+) tokens/s\)")
 # fairseq-generate casts the model only under --fp16 (model.half()); --bf16 just implies --tpu, and neither
-# lightseq-generate nor the plugin adds a cast: the bf16 rows decode with fp32 weights in all three runs.
+# lightseq-generate nor the plugin adds a cast: under --bf16 all three runs decode the fp32 model (on the CPU
+# their hypotheses and scores are bit for bit those of a run without --bf16).
 # plain fairseq 0.12 reads checkpoints with torch.load's default, weights_only=True since torch 2.6
 GEN_ENV = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-BF16_NOTE = ("bf16: fairseq-generate (and lightseq-generate, which adds no cast) turns --bf16 into --tpu and "
-             "converts the model only under --fp16, so the bf16 rows run the fp32 model in every run")
+BF16_NOTE = ("note: the bf16 rows decode in fp32 in all three runs: fairseq-generate casts the model only under "
+             "--fp16 (--bf16 just implies --tpu), and lightseq-generate and the plugin add no bf16 cast")
 
 
 def checkpoint_arch(path):
@@ -137,9 +136,10 @@ def checkpoint_arch(path):
     return arch
 
 
-def same_weights(ckpt, out):
-    """{"native": path, "ls": path}: the checkpoint and its lightseq-convert twin under the other architecture."""
-    have = "ls" if checkpoint_arch(ckpt).startswith("ls_") else "native"
+def same_weights(ckpt, out, have=None):
+    """{"native": path, "ls": path}: the checkpoint (of architecture kind ``have``, read from it when None) and
+    its lightseq-convert twin under the other architecture."""
+    have = have or ("ls" if checkpoint_arch(ckpt).startswith("ls_") else "native")
     other = "native" if have == "ls" else "ls"
     paths = {have: ckpt, other: os.path.join(out, f"weights_{other}.pt")}
     sh([sys.executable, "-m", "ls_fairseq.cli.convert", ckpt, paths[other], "--to", other],
@@ -278,7 +278,7 @@ def decode_main(argv):
         ap.error("give --data and --checkpoint together, or neither (a model is then trained)")
     if args.cpu_smoke:
         args.cpu, args.precision, args.beam, args.batch_size, args.max_tokens = True, "fp32", [4, 1], [16], []
-        args.pairs, args.max_update, args.train_max_tokens, args.lr, args.warmup = 2000, 60, 1024, 5e-3, 10
+        args.pairs, args.max_update, args.train_max_tokens, args.lr, args.warmup = 2000, 150, 1024, 5e-3, 10
         # a model this short-trained repeats words: the length limit keeps its hypotheses (and the run) short
         args.gen_args += " --max-len-a 1 --max-len-b 5"
     args.precision = args.precision.split(",")
@@ -292,7 +292,9 @@ def decode_main(argv):
     if not args.beam or min(args.beam) < 1 or min(args.batch_size + args.max_tokens) < 1 or args.repeats < 1:
         ap.error("--beam, --batch-size, --max-tokens and --repeats take numbers >= 1")
     os.makedirs(args.out, exist_ok=True)
+    have = None
     if args.checkpoint is None:
+        have = "native"
         args.data = prepare(args.out, args.pairs, 1 if args.cpu else 8, heldout=48 if args.cpu_smoke else 2000)
         save_dir = os.path.join(args.out, "ckpt_decode")
         args.checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
@@ -307,7 +309,7 @@ def decode_main(argv):
     for path, flag in ((args.data, "--data"), (args.checkpoint, "--checkpoint")):
         if not os.path.exists(path):
             raise SystemExit(f"{flag} {path}: does not exist")
-    paths = same_weights(args.checkpoint, args.out)
+    paths = same_weights(args.checkpoint, args.out, have)
     rows = decode_rows(args, args.data, paths)
     notes = [BF16_NOTE] if "bf16" in args.precision else []
     print("\n" + markdown(rows) + "".join("\n\n" + n for n in notes))
