@@ -257,8 +257,10 @@ def decode_main(argv):
     ap.add_argument("--checkpoint", help="a transformer_X or ls_transformer_X checkpoint trained on --data")
     ap.add_argument("--subset", default="test", choices=["valid", "test"])
     ap.add_argument("--beam", type=int_list, default=[4], help="beam sizes (comma list, e.g. 4,5)")
-    ap.add_argument("--batch-size", type=int_list, default=[], help="sentences per batch (comma list; default 128 unless --max-tokens)")
-    ap.add_argument("--max-tokens", type=int_list, default=[], help="tokens per batch (comma list; each value of either flag is a batching of its own)")
+    ap.add_argument("--batch-size", type=int_list, default=[],
+                    help="sentences per batch (comma list; default 128 unless --max-tokens)")
+    ap.add_argument("--max-tokens", type=int_list, default=[],
+                    help="tokens per batch (comma list; each value of either flag is a batching of its own)")
     ap.add_argument("--precision", default="fp16", help="comma list of fp16, bf16, fp32")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each command; the fastest is reported")
     ap.add_argument("--gen-args", default="", help="more fairseq-generate flags for every run, e.g. '--remove-bpe'")
