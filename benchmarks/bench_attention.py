@@ -1,31 +1,17 @@
 """Attention forward + backward at the (batch, length) shapes fairseq's --max-tokens batching makes.
 
-For each length T (batch = tokens // T; 16 heads of 64, fp16, dropout 0.1) and each mask kind
-(none, causal, key padding) it times, in GPU ms per fwd+bwd (ten calls captured in one CUDA graph, as the
-training step runs them, and replayed; the median of five replays):
-
-* ls      ls_fairseq.ops.attention (the short-sequence kernel up to 128 tokens, SDPA beyond);
-* memeff  SDPA's memory-efficient backend alone;
-* flash   SDPA's flash backend alone;
-* math    SDPA's math backend;
-* cudnn   SDPA's cuDNN backend (plans built once per shape, as under the CUDA-graph step); nan where it
-          cannot take the mask;
-* gemm    the batched GEMMs of an explicit-scores attention alone (2 forward, 4 backward): the
-          floor of a scores-materialising implementation.
+For each length T (batch = tokens // T; 16 heads of 64, fp16, dropout 0.1) and mask kind (none, causal, key
+padding): GPU ms per fwd+bwd of ten calls captured in one CUDA graph, median of five replays, for ls_fairseq's
+ops.attention (``ls``), SDPA's memory-efficient, flash, math and cuDNN backends alone, and the batched GEMMs of an
+explicit-scores attention (``gemm``, the floor of a scores-materialising implementation).
 
     python benchmarks/bench_attention.py [--tokens 8192] [--lengths 16,32,64,128,256]
 
-With --classes it times the short-sequence kernels per class of lengths as the packed training step launches
-them: packed sentences of --tokens rows whose lengths are drawn from make_wmt_synth.py's source-length law (lognormal,
-plus end-of-sentence) within each class (0, 32], (32, 64], (64, 128], not causal and causal (bf16, dropout 0.1); the
-forward alone and the backward (forward + backward less the forward) in GPU microseconds, and the bytes of the
-tensors each must read and write once (q, k, v, out; and q, k, v, out, dout, dq, dk, dv) over that time.
-
-With --packed MAX (a comma list of longest lengths) it times packed sequences instead (batches of
-sentences back to back, as the packed model runs them; causal, dropout 0.1): for each length T, sentences
-all of T tokens through ops.attention told that the longest is T, and each longer MAX (what a packed shape
-bucket passes for all of its batches; the kernels launch once per class of lengths up to it), and through
-flash's varlen kernel.
+``--classes``: the short-sequence kernels per class of lengths as the packed training step launches them
+(lengths drawn from make_wmt_synth.py's law within (0, 32], (32, 64], (64, 128]; bf16), forward and backward in
+GPU microseconds with the bytes each must move. ``--packed MAX``: packed sequences of T-token sentences through
+ops.attention told the longest is T or a longer MAX (as a packed shape bucket passes it), and through flash's
+varlen kernel.
 """
 
 import argparse

@@ -1,22 +1,15 @@
 """Each training process of one machine keeps to its own CPU cores (``LS_FAIRSEQ_CPU_AFFINITY``).
 
-With one micro-batch per update, a GPU's training process is often limited by its host thread
-(the Python that launches the kernels), and on the 2-GPU machines we measured the host time of a
-micro-batch grew when a second training process ran beside it, with or without communication
-between them (benchmarks/RESULTS.md). Splitting the CPUs the process may use into as many
-disjoint slices as there are training processes on the machine, whole physical cores together
-(hyperthread siblings are kept in one slice, from /sys topology where the system shows it), and
-restricting process ``local_rank`` to its slice took that time back. The main thread is restricted
-when lightseq-train's training function starts; the threads and processes started afterwards (the
-autograd and pin-memory threads, the data-loader workers) inherit the slice; those the process
-group's set-up started before (NCCL's) keep the whole machine.
+With one micro-batch per update a GPU's training process is often limited by its host thread, and a second
+training process beside it slows that thread (benchmarks/RESULTS.md, "Scaling"). The CPUs the process may use
+are split into as many disjoint slices as there are training processes on the machine, whole physical cores
+together (hyperthread siblings in one slice), and process ``local_rank`` keeps to its slice from the start of
+lightseq-train's training function; threads and processes started afterwards inherit it.
 
-``LS_FAIRSEQ_CPU_AFFINITY``:
-  unset or ``auto``: split when two or more training processes share the machine, the process may
-  use every CPU of the machine (nobody restricted it already: taskset, numactl, a job scheduler's
-  cgroup) and every slice gets at least ``AUTO_MIN_CPUS`` CPUs;
-  ``1``: split whenever two or more training processes share the machine, within the CPUs allowed;
-  ``0``: never.
+``LS_FAIRSEQ_CPU_AFFINITY``: unset or ``auto``: split when two or more training processes share the machine, the
+process may use every CPU (nobody restricted it already: taskset, numactl, a scheduler's cgroup) and every
+slice gets at least ``AUTO_MIN_CPUS`` CPUs; ``1``: split whenever two or more training processes share the
+machine, within the CPUs allowed; ``0``: never.
 """
 
 import logging
