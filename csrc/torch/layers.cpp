@@ -3,8 +3,8 @@
 // ls_fairseq/modules/*_layer.py records through the public ops (autograd.cpp's nodes, torch's SDPA and the
 // views between them), in the same order, so the kernels, their dropout streams and the recorded graph are
 // those of the Python layer. What goes away is the Python between the ops: per layer the module calls, the
-// ops' argument checks and dispatch, and about twenty crossings into C++ (measured at about 4.4 ms of
-// host time per transformer-big micro-batch, benchmarks/RESULTS.md). The GIL is released for the layer.
+// ops' argument checks and dispatch, and about twenty crossings into C++ (host time the eager step waits for;
+// docs/op_paths.md). The GIL is released for the layer.
 //
 // Weights, in this order (the names of the Python modules):
 //   encoder: self_attn_layer_norm.{weight,bias}, self_attn.{in_proj_weight,in_proj_bias},

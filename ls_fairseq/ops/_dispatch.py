@@ -131,7 +131,7 @@ def explain_autograd() -> str:
 
 
 # The C++ nodes (ops, and the linear node) and the one-call C++ layers are used whenever the extension has
-# them (measured faster: they take the Python off the host's path). These flags exist for the tests that
+# them (they take the Python off the host's path: docs/op_paths.md). These flags exist for the tests that
 # compare them with the Python Functions and layers, which torch.compile, the CPU and incremental decoding use.
 _CPP_AUTOGRAD = True
 _CPP_LINEAR = True

@@ -161,8 +161,8 @@ def _varlen_cuda(q, k, v, varlen: Varlen, causal: bool, p: float):
     """Packed sequences on CUDA ([1, N, H, D] is the kernels' layout, a view of ours). fp16 / bf16: the kernel
     of csrc/kernels/attention.cu for sequences up to SHORT_KERNEL_LEN, else the flash kernel (sm80 and newer);
     both backwards replay the forward's dropout mask, also under CUDA graphs. fp32: the memory-efficient kernel,
-    without dropout: over packed sequences its backward does not see the mask its forward drew (measured: the
-    gradient of a dropout attention disagrees with its output)."""
+    without dropout: over packed sequences its backward does not see the mask its forward drew (the gradient
+    of a dropout attention disagrees with its output)."""
     if q.dtype in (torch.float16, torch.bfloat16):
         mod = _short_kernel(q, k, v, longest=max(varlen.max_q, varlen.max_k))
         if mod is not None:
@@ -218,13 +218,12 @@ def attention(q, k, v, key_padding_mask=None, causal: bool = False, p: float = 0
             return mod.ag_short_attention(q, k, v, attend, causal, p if training else 0.0)
     # Longer sequences (and fp32): SDPA runs in the storage dtype, restricted to the flash and memory-efficient
     # backends. The cuDNN backend (PyTorch's default choice with a padding mask) builds an
-    # execution plan for every new (batch, length) shape: measured on an H200, 53 ms for a
-    # first-seen shape vs 0.6 ms repeated. fairseq batches by --max-tokens, so almost every
-    # batch of the first epoch has a new shape; that is the slow first epoch of native
-    # fairseq (benchmarks/RESULTS.md), and we do not inherit it.
+    # execution plan for every new (batch, length) shape, far slower than a repeated call. fairseq
+    # batches by --max-tokens, so almost every batch of the first epoch has a new shape; that is the
+    # slow first epoch of native fairseq (benchmarks/RESULTS.md, "First epoch"), and we do not inherit it.
     # Which kernel: for short sequences (the bulk of a --max-tokens batch of sentences) the
-    # memory-efficient kernel is about twice as fast as flash, with or without masks; flash wins
-    # from ~96 tokens on (benchmarks/bench_attention.py, RESULTS.md).
+    # memory-efficient kernel is faster than flash, with or without masks; flash wins on longer ones
+    # (benchmarks/bench_attention.py; RESULTS.md, "Ops").
     short = max(q.shape[-2], k.shape[-2]) <= SHORT_ATTENTION_LEN
     with _backends(short):
         if key_padding_mask is None and causal and q.shape[-2] == k.shape[-2]:
