@@ -153,6 +153,29 @@ def test_generate_beam4_translates_every_sentence(data_bin, straight_run, tmp_pa
     assert len(_hypotheses(tmp_path / "x8" / "generate-test.txt")) < N_TEST
 
 
+def test_generate_bf16_decodes_in_bf16(data_bin, straight_run, tmp_path, monkeypatch):
+    """lightseq-generate --bf16 runs the model in bfloat16 (fairseq's generate casts only under --fp16) and still
+    translates every sentence."""
+    from fairseq import sequence_generator
+
+    from ls_fairseq.cli import generate
+
+    save, _ = straight_run
+    dtypes, real = [], sequence_generator.SequenceGenerator.generate
+
+    def recording(self, models, *a, **k):
+        dtypes.extend(next(m.parameters()).dtype for m in models)
+        return real(self, models, *a, **k)
+
+    monkeypatch.setattr(sequence_generator.SequenceGenerator, "generate", recording)
+    with fairseq_run():
+        generate.cli_main([data_bin, "--path", os.path.join(save, "checkpoint_last.pt"), "--beam", "4", "--bf16",
+                           "--batch-size", "10", "--cpu", "--gen-subset", "test", "--num-workers", "0",
+                           "--results-path", str(tmp_path)])
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    assert sorted(_hypotheses(tmp_path / "generate-test.txt")) == list(range(N_TEST))
+
+
 @pytest.mark.slow
 def test_plain_fairseq_generate_loads_an_ls_checkpoint(data_bin, straight_run, tmp_path):
     """A checkpoint of ls_transformer loads in plain fairseq-generate with --user-dir."""

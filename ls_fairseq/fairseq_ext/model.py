@@ -72,6 +72,14 @@ class LSTransformerModel(native.TransformerModel):
                             src_lengths=src_lengths, return_all_hiddens=return_all_hiddens, logit_rows=logit_rows,
                             packed=packed)
 
+    def prepare_for_inference_(self, cfg):
+        """fairseq's preparation for generation; under ``--bf16`` the weights in bfloat16 too (fairseq's generate
+        casts only under ``--fp16``: without this a --bf16 run would decode in fp32 and say nothing)."""
+        common = getattr(cfg, "common", None)
+        if common is not None and getattr(common, "bf16", False) and not getattr(common, "fp16", False):
+            self.to(torch.bfloat16)
+        return super().prepare_for_inference_(cfg)
+
     def __prepare_scriptable__(self):
         """torch.jit.script calls this first: refuse by name instead of failing deep in TorchScript's compiler."""
         raise OptionError("ls_transformer cannot be compiled by TorchScript (torch.jit.script): its layers call "
