@@ -242,3 +242,12 @@ def test_entry_points_run(entry_point_help):
     for name in ("train", "generate", "validate"):
         assert f"OK ls_fairseq.cli.{name}" in entry_point_help
     assert "--beam" in entry_point_help and "--required-batch-size-multiple" in entry_point_help
+
+
+def test_lightseq_validate_refuses_bf16():
+    """fairseq-validate casts the model under --fp16 only: --bf16 would validate in fp32 without a word."""
+    from ls_fairseq.cli import validate
+
+    for flag in ("--bf16", "--memory-efficient-bf16"):
+        with pytest.raises(SystemExit, match="lightseq-validate: --bf16 is not supported"):
+            validate.cli_main(["data-bin", "--path", "missing.pt", flag])

@@ -31,6 +31,10 @@ def build_argv(argv: Optional[List[str]] = None) -> List[str]:
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if _common.has_flag(argv, "--bf16") or _common.has_flag(argv, "--memory-efficient-bf16"):
+        # fairseq-validate casts the model under --fp16 only: a --bf16 run would validate in fp32 and say nothing
+        raise SystemExit("lightseq-validate: --bf16 is not supported (fairseq-validate would run the model in fp32); "
+                         "validate with --fp16 or in fp32")
     _common.check_checkpoint_paths(argv, "lightseq-validate")
     argv = build_argv(argv)
     _common.set_argv(argv)  # fairseq-validate parses sys.argv (twice)
