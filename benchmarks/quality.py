@@ -108,13 +108,12 @@ def bleu(out, run, bin_dir, save_dir, cpu):
 GEN_RUNS = ("native", "ls", "user_dir")  # the first is the baseline of every comparison
 TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s "
                         r"\(([\d.]+) sentences/s, ([\d.]+) tokens/s\)")
-# fairseq-generate casts the model only under --fp16 (model.half()); --bf16 just implies --tpu, and neither
-# lightseq-generate nor the plugin adds a cast: under --bf16 all three runs decode the fp32 model (on the CPU
-# their hypotheses and scores are bit for bit those of a run without --bf16).
+# fairseq-generate casts the model only under --fp16 (model.half()); --bf16 just implies --tpu. The ls model casts
+# itself to bf16 for generation (LSTransformerModel.prepare_for_inference_); native's stays fp32.
 # plain fairseq 0.12 reads checkpoints with torch.load's default, weights_only=True since torch 2.6
 GEN_ENV = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-BF16_NOTE = ("note: the bf16 rows decode in fp32 in all three runs: fairseq-generate casts the model only under "
-             "--fp16 (--bf16 just implies --tpu), and lightseq-generate and the plugin add no bf16 cast")
+BF16_NOTE = ("note: under --bf16 native fairseq-generate decodes its model in fp32 (it casts only under --fp16); "
+             "the ls model decodes in bf16 in lightseq-generate and fairseq-generate --user-dir")
 
 
 def checkpoint_arch(path):
