@@ -280,12 +280,19 @@ def test_fp8_flag_in_the_model_parser_defaults():
 
 
 def test_lightseq_train_refuses_fp8_on_cpu_before_training():
-    from ls_fairseq.cli.train import check_device_args
+    from omegaconf import OmegaConf
+
+    from ls_fairseq.fairseq_ext.step.run_checks import check_device
+    from ls_fairseq.fairseq_ext.step.takeover import FlatConfig
 
     args = argparse.Namespace(fp8=True, cpu=True, bf16=True, fp16=False)
-    with pytest.raises(SystemExit, match="--fp8 needs an NVIDIA GPU"):
-        check_device_args(args)
-    check_device_args(argparse.Namespace(fp8=False, cpu=True))  # no --fp8: nothing to refuse
+    with pytest.raises(SystemExit, match="lightseq-train: --fp8 needs an NVIDIA GPU"):
+        check_device(args)
+    check_device(argparse.Namespace(fp8=False, cpu=True))  # no --fp8: nothing to refuse
+    cfg = OmegaConf.create({"common": {"cpu": True, "bf16": True, "fp16": False}, "optimizer": None,
+                            "model": {"fp8": True}})  # fairseq-train's config, as the trainer choice reads it
+    with pytest.raises(SystemExit, match="fairseq-train: --fp8 needs an NVIDIA GPU"):
+        check_device(FlatConfig(cfg), prog="fairseq-train")
 
 
 def test_unavailable_reasons():

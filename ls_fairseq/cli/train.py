@@ -137,24 +137,6 @@ def check_training_args(args: argparse.Namespace) -> None:
         raise SystemExit("lightseq-train: --quant-noise-scalar (quantization noise) is not supported by ls_transformer")
 
 
-def check_device_args(args: argparse.Namespace) -> None:
-    """Before training starts (not at parse time, where a GPU configuration may be parsed anywhere): flags that
-    cannot run on this machine."""
-    if getattr(args, "fp8", False):
-        import torch
-
-        from ls_fairseq.ops.fp8 import fp8_unavailable_reason
-
-        on_gpu = not getattr(args, "cpu", False) and torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        dtype = (torch.bfloat16 if getattr(args, "bf16", False) else
-                 torch.float16 if getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False)
-                 else torch.float32)
-        reason = fp8_unavailable_reason(device, dtype)
-        if reason is not None:
-            raise SystemExit(f"lightseq-train: {reason}")
-
-
 def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parse(argv)
 
@@ -163,7 +145,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
 
     from ls_fairseq.fairseq_ext.step import run_checks
 
-    check_device_args(args)
+    run_checks.check_device(args)
     cfg = convert_namespace_to_omegaconf(args)
     run_checks.prepare_checkpoints(cfg, first_process=int(os.environ.get("RANK", "0") or 0) == 0)
     run_checks.check_data(cfg)

@@ -1,10 +1,11 @@
-"""The checks a training run makes before it starts: its checkpoints and its data.
+"""The checks a training run makes before it starts: its checkpoints, its data and its device.
 
 :func:`prepare_checkpoints`: a --restore-file that does not exist or cannot be read is an error (fairseq would
 train from scratch, or fail deep inside torch.load); temporaries of an interrupted save are removed and an
 unreadable checkpoint_last.pt is replaced by the newest readable checkpoint
 (:mod:`~ls_fairseq.fairseq_ext.checkpoint_files`). :func:`check_data`: a translation data-bin whose train
 files do not fit their dictionaries is an error naming the file (:mod:`~ls_fairseq.fairseq_ext.data_checks`).
+:func:`check_device`: flags this machine cannot run (``--fp8`` without an FP8 GPU).
 """
 
 import os
@@ -39,3 +40,23 @@ def check_data(cfg, prog: str = "lightseq-train") -> None:
     problems = check_translation_data(task.data, cfg.dataset.train_subset)
     if problems:
         raise SystemExit(f"{prog}: " + f"\n{prog}: ".join(problems))
+
+
+def check_device(args, prog: str = "lightseq-train") -> None:
+    """Flags that cannot run on this machine, checked before training starts (not at parse time, where a GPU
+    configuration may be parsed anywhere). ``args``: a parsed Namespace or a flat view of fairseq's config.
+    Raises SystemExit with one line prefixed by ``prog``."""
+    if not getattr(args, "fp8", False):
+        return
+    import torch
+
+    from ls_fairseq.ops.fp8 import fp8_unavailable_reason
+
+    on_gpu = not getattr(args, "cpu", False) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = (torch.bfloat16 if getattr(args, "bf16", False) else
+             torch.float16 if getattr(args, "fp16", False) or getattr(args, "memory_efficient_fp16", False)
+             else torch.float32)
+    reason = fp8_unavailable_reason(device, dtype)
+    if reason is not None:
+        raise SystemExit(f"{prog}: {reason}")

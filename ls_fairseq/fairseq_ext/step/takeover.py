@@ -38,6 +38,8 @@ class FlatConfig:
                 return group
         if cfg.optimizer is not None and name in cfg.optimizer:
             return cfg.optimizer
+        if getattr(cfg, "model", None) is not None and name in cfg.model:
+            return cfg.model
         return None
 
     def __getattr__(self, name):
@@ -174,6 +176,7 @@ def choose_trainer(cfg, task, model, criterion, quantizer=None, always: bool = F
         first = not cfg.distributed_training.distributed_rank
         run_checks.prepare_checkpoints(cfg, prog="fairseq-train", first_process=first)
         run_checks.check_data(cfg, prog="fairseq-train")
+        run_checks.check_device(FlatConfig(cfg), prog="fairseq-train")
         logger.info("ls_fairseq trains this run on its own trainer (the deferred step, CUDA graphs where the run "
                     "allows, atomic checkpoints, data checks)%s; not taken over: lightseq-train's split of the CPU "
                     "cores between the training processes of a machine and its process-group teardown, which "
