@@ -179,8 +179,10 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):
     whole optimizer state on every rank (the default on gloo, which has no peer writes) the weights are
     equal bit for bit; with it sharded (``--ls-shard-state on``) the gradient norm is summed in
     another order, so the clipped updates agree to rounding."""
+    import sys
+
     from _models import lightseq_train_two_ranks
-    from test_end_to_end import TRAIN_FLAGS
+    from test_end_to_end import ROOT, TRAIN_FLAGS
 
     from ls_fairseq.fairseq_ext.compat import patch_checkpoint_loading
 
@@ -188,17 +190,24 @@ def test_two_ranks_deferred_step_matches_fairseqs_step(data_bin, tmp_path):
     flags = [*TRAIN_FLAGS, "--max-update", "9", "--clip-norm", "0.1", "--dropout", "0", "--log-interval", "3",
              "--disable-validation"]
     runs = {}
-    for name, extra in (("sync", ["--ls-trainer", "off"]), ("deferred", []), ("sharded", ["--ls-shard-state", "on"])):
+    # fairseq-train --user-dir (as python -m fairseq_cli.train) takes the same step as lightseq-train
+    fairseq_train = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", os.path.join(ROOT, "user_dir")]
+    for name, extra, runner in (("sync", ["--ls-trainer", "off"], None), ("deferred", [], None),
+                                ("sharded", ["--ls-shard-state", "on"], None),
+                                ("fairseq_train", [], lambda rank: fairseq_train)):
         save = tmp_path / name
         save.mkdir()
-        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, *extra])
+        runs[name] = lightseq_train_two_ranks(data_bin, save, save, [*flags, *extra], runner=runner)
     with open(tmp_path / "sharded" / "rank0.log") as f:
         assert "optimizer state sharded over 2 ranks" in f.read()
     with open(tmp_path / "deferred" / "rank0.log") as f:
         assert "optimizer state sharded" not in f.read()
+    with open(tmp_path / "fairseq_train" / "rank0.log") as f:
+        text = f.read()
+        assert "trains this run on its own trainer" in text and "deferred step" in text
     a = runs["sync"]
     pa = _params(os.path.join(tmp_path, "sync", "checkpoint_last.pt"))
-    for name, tol in (("deferred", 0), ("sharded", 1e-5)):
+    for name, tol in (("deferred", 0), ("sharded", 1e-5), ("fairseq_train", 0)):
         b = runs[name]
         assert sorted(a) == sorted(b) == [3, 6, 9], (name, sorted(a), sorted(b))
         assert all(float(r["clip"]) == 100 for r in b.values())  # the clip was active

@@ -189,6 +189,9 @@ def install(fairseq_train_module=None, always: bool = False, prepare=None) -> bo
     """Point fairseq's training loop (``fairseq_cli.train``, when imported) at :func:`choose_trainer` (``always``,
     ``prepare``: its arguments). Idempotent; returns True when the loop's module was there."""
     module = fairseq_train_module or sys.modules.get("fairseq_cli.train")
+    main = sys.modules.get("__main__")
+    if module is None and getattr(getattr(main, "__spec__", None), "name", None) == "fairseq_cli.train":
+        module = main  # python -m fairseq_cli.train
     if module is None:
         return False
     if getattr(module.Trainer, "ls_fairseq_always", False) and not always:
