@@ -6,6 +6,9 @@
 #   STEPS="build fp8 profile" bash benchmarks/gpu_session.sh  # optional steps: --fp8 against bf16 (per projection
 #                                                             # and training), the graphed step's kernel profile
 #   STEPS=scaling bash benchmarks/gpu_session.sh        # optional, two GPUs: scaling rounds (below)
+#   STEPS="build entries paths" bash benchmarks/gpu_session.sh  # optional: lightseq-train against fairseq-train
+#                                # --user-dir and lightseq-deepspeed (fp16 and bf16); the ops' execution paths
+#                                # against each other, graphed and eager (bf16; docs/op_paths.md)
 #
 # Knobs: OUT (logs, default ./gpu_session_logs), DATA (training corpus, made by make_wmt_synth.py when absent),
 # MAX_TOKENS (default 4096,8192), KINDS (default native,ls_eager,ls), EPOCHS (default 2), TESTS (pytest's
@@ -128,6 +131,14 @@ if step attention; then
 fi
 if step train; then
   train_bench train "${KINDS:-native,ls_eager,ls}"
+fi
+if step entries; then
+  train_bench entries ls,ls_fairseq_train,ls_deepspeed --precision fp16
+  train_bench entries_bf16 ls,ls_fairseq_train --precision bf16
+fi
+if step paths; then
+  MAX_TOKENS="${MAX_TOKENS:-4096}" train_bench paths \
+    ls,ls_py_layers,ls_py_ops,ls_eager,ls_eager_py_layers,ls_eager_py_ops --precision bf16
 fi
 if step fp8; then
   python benchmarks/bench_ops.py --fp8 --tokens 8192 4096 2>&1 | tee "$OUT/bench_ops_fp8.log" | grep -E "^\||saves"
