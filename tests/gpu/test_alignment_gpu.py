@@ -7,7 +7,7 @@ import torch
 
 from tests._models import build_model, make_dict, random_batch
 from tests.gpu._tols import assert_close_to_gold
-from tests.test_alignment import _generate, _hard_agreement, checkpoints  # noqa: F401  (checkpoints: a fixture)
+from tests.test_alignment import checkpoints  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -76,17 +76,5 @@ def test_incremental_attention_gpu(dtype):
 def test_generate_print_alignment_gpu(checkpoints, tmp_path, monkeypatch, beam, mode):  # noqa: F811
     import tests.test_alignment as cpu
 
-    data, native, ls = checkpoints
     monkeypatch.setattr(cpu, "ALIGN_GEN", [f for f in cpu.ALIGN_GEN if f != "--cpu"])  # on the GPU
-    flags = ["--beam", str(beam), "--print-alignment", mode]
-    hyps_n, al_n = _generate(data, native, tmp_path / "native", flags)
-    hyps_l, al_l = _generate(data, ls, tmp_path / "ls", flags)
-    assert hyps_l == hyps_n
-    if mode == "hard":
-        agree, total = _hard_agreement(al_l, al_n)
-        assert total > 50 and agree >= 0.99, agree
-    else:
-        for k in al_n:
-            rows_n = [[float(p) for p in row.split(",")] for row in al_n[k].split()]
-            rows_l = [[float(p) for p in row.split(",")] for row in al_l[k].split()]
-            torch.testing.assert_close(torch.tensor(rows_l), torch.tensor(rows_n), rtol=0, atol=1e-4)
+    cpu.assert_generated_alignments_match(*checkpoints, tmp_path, beam, mode, atol=1e-4)
