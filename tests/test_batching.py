@@ -1,4 +1,4 @@
-"""Grouped shuffling (ls_fairseq/fairseq_ext/batching.py): the batches of one update are
+"""Grouped shuffling (ls_fairseq/fairseq_ext/step/batching.py): the batches of one update are
 neighbours in fairseq's length-sorted order, on every rank and every micro-batch.
 
 Checked on fairseq's own EpochBatchIterator over a dataset whose batch k stands for the k-th

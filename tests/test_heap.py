@@ -1,4 +1,4 @@
-"""settle_heap (ls_fairseq/fairseq_ext/heap.py): garbage collected, survivors exempt from later collections."""
+"""settle_heap (ls_fairseq/fairseq_ext/step/heap.py): garbage collected, survivors exempt from later collections."""
 
 import gc
 import weakref

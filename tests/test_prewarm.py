@@ -1,4 +1,4 @@
-"""The first update's kernels warmed up before the first epoch (ls_fairseq/fairseq_ext/prewarm.py), on the
+"""The first update's kernels warmed up before the first epoch (ls_fairseq/fairseq_ext/graph/prewarm.py), on the
 CPU: it runs the first batch through a one-layer copy of the model and leaves the model itself as it was. Its
 effect on the first epoch is measured on the GPU (benchmarks/first_epoch.py, benchmarks/RESULTS.md)."""
 

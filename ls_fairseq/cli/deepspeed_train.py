@@ -137,7 +137,7 @@ def train(cfg, trainer: DeepSpeedTrainer, epoch_itr):
             itr, log_format=cfg.common.log_format, log_interval=cfg.common.log_interval, epoch=epoch_itr.epoch,
             default_log_format="tqdm" if not cfg.common.no_progress_bar else "simple")
         logger.info(f"begin training epoch {epoch_itr.epoch}")
-        settle_heap()  # no pause of the garbage collector's in the epoch's updates (fairseq_ext/heap.py)
+        settle_heap()  # no pause of the garbage collector's in the epoch's updates (fairseq_ext/step/heap.py)
         stop = False
         val = None
         with metrics.aggregate("train"):
@@ -214,7 +214,7 @@ def main(args) -> None:
     try:
         train(cfg, trainer, epoch_itr)
     finally:
-        release_heap()  # what train() froze (fairseq_ext/heap.py) is collectable again
+        release_heap()  # what train() froze (fairseq_ext/step/heap.py) is collectable again
     logger.info(f"training took {time.time() - start:.1f} s")
     from ls_fairseq.cli.train import destroy_process_group
 

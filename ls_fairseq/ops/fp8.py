@@ -266,7 +266,7 @@ class Fp8HeadSaved(NamedTuple):
 
 def fp8_head_forward(x: torch.Tensor, weight: torch.Tensor, use: Fp8Use, keep_x: bool = True):
     """The logits ``x W^T`` of the vocabulary projection as an FP8 GEMM, outside autograd (the CUDA-graph step's
-    head, ls_fairseq/fairseq_ext/split_step.py): (logits in x's dtype, what :func:`fp8_head_backward` needs).
+    head, ls_fairseq/fairseq_ext/graph/split_step.py): (logits in x's dtype, what :func:`fp8_head_backward` needs).
     x [rows, C], weight [vocab, C] with sizes that are multiples of 16. ``keep_x``: keep x's transposed codes for
     the weight's gradient. On CUDA the quantising kernels and torch's FP8 GEMM; elsewhere the fp32 reference of
     the same codes."""

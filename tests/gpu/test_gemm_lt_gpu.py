@@ -1,4 +1,4 @@
-"""The layers' products through cuBLASLt (csrc/torch/gemm.cpp, ls_fairseq/fairseq_ext/gemm_lt.py) on the GPU: the
+"""The layers' products through cuBLASLt (csrc/torch/gemm.cpp, ls_fairseq/fairseq_ext/graph/gemm_lt.py) on the GPU: the
 products against fp32 torch, preloaded shapes not waiting for queued work, CUDA-graph replay, and ATen where off or
 where the operands do not fit."""
 

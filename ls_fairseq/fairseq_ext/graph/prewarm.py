@@ -42,7 +42,7 @@ def _cut_copy(model):
 
 class Prewarm:
     """Starts the helper thread (module docstring) on ``sample``, a fairseq translation batch on the host as
-    LSTrainer marks it for the eager step (``SamplePrepMixin._host_marked``); :meth:`join` waits for it."""
+    LSTrainer marks it for the eager step (``SamplePrep.marked_copy``); :meth:`join` waits for it."""
 
     def __init__(self, model, criterion, sample, device, preload_tokens=None):
         self.replica = _cut_copy(model)
