@@ -11,6 +11,7 @@ the processes start, keeps each process on its own CPU cores, and tears the proc
 """
 
 import argparse
+import copy
 import os
 import logging
 import sys
@@ -133,8 +134,14 @@ def check_training_args(args: argparse.Namespace) -> None:
     freqs = list(getattr(args, "update_freq", None) or [1])
     if any(int(f) < 1 for f in freqs):
         raise SystemExit(f"lightseq-train: --update-freq must be >= 1, got {','.join(str(f) for f in freqs)}")
-    if float(getattr(args, "quant_noise_scalar", 0) or 0) > 0 and str(getattr(args, "arch", "")).startswith("ls_"):
-        raise SystemExit("lightseq-train: --quant-noise-scalar (quantization noise) is not supported by ls_transformer")
+    if str(getattr(args, "arch", "")).startswith("ls_"):  # the model's own refusals, before any process starts
+        from ls_fairseq.fairseq_ext.config import OptionError
+        from ls_fairseq.fairseq_ext.model import LSTransformerModel
+
+        try:
+            LSTransformerModel.check_args(copy.copy(args))
+        except OptionError as e:
+            raise SystemExit(f"lightseq-train: {e}") from None
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

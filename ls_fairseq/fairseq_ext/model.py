@@ -42,10 +42,16 @@ class LSTransformerModel(native.TransformerModel):
         add_fp8_args(parser)
         add_memory_args(parser)
 
-    @classmethod
-    def build_model(cls, args, task):
+    @staticmethod
+    def check_args(args) -> None:
+        """Raise OptionError naming every flag of the parsed ``args`` that ls_transformer cannot honour (the
+        architecture's defaults filled in first, as for building)."""
         native.base_architecture(args)
         check_supported(TransformerConfig.from_namespace(args))
+
+    @classmethod
+    def build_model(cls, args, task):
+        cls.check_args(args)
         model = super().build_model(args, task)
         set_fp8_mode(model, args)
         set_memory_modes(model, args)
