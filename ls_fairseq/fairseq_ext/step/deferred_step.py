@@ -109,12 +109,13 @@ class DeferredStep:
         self.graphs = graphs
         self.timer = timer
         self.loss_scale = None  # the fp16 loss scale on the device (device_loss_scale)
-        self.invertible = bool(invertible_layer_norms(trainer.model))
         # without a loss scale and without clipping the norm only reports (and names a non-finite gradient):
         # ls_adam sums it in its update's pass instead of reading the gradients once more before it. Not with
         # invertible layer norms, whose zero weights (a cause named when the norm is not finite) the update
-        # would overwrite, nor with sharded state (ls_adam decides it when it reduces the gradients): see _factor_and_norm
-        self.norm_reports_only = self.scaler is None and settings.clip <= 0 and not self.invertible
+        # would overwrite, nor with sharded state (ls_adam decides it when it reduces the gradients):
+        # _factor_and_norm decides per update
+        self.norm_reports_only = (self.scaler is None and settings.clip <= 0
+                                  and not invertible_layer_norms(trainer.model))
         self.norm_in_step = False  # this update's choice
 
     # ------------------------------------------------------------------ the update

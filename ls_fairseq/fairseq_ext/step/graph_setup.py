@@ -28,12 +28,9 @@ class GraphSetup:
         """Why this run does not replay graphs (None: it does)."""
         from ls_fairseq.fairseq_ext.graph import graph_step
 
-        trainer = self.trainer
-        if self.settings.graph_step == "off":
+        if self.settings.graph_step == "off":  # also every optimizer but ls_adam (StepSettings.from_cfg)
             return "--ls-graph-step off, or an optimizer other than ls_adam"
-        if getattr(trainer.cfg.optimizer, "_name", None) != "ls_adam":
-            return "the graphs need --optimizer ls_adam"
-        return graph_step.unsupported_reason(trainer, several_gpus=self.settings.graph_step == "on")
+        return graph_step.unsupported_reason(self.trainer, several_gpus=self.settings.graph_step == "on")
 
     def engine(self):
         """The GraphStep, or None; decided once per run, the reason it is off logged once."""

@@ -94,11 +94,11 @@ class PendingUpdates:
     ``stats`` logs a settled update's statistics; ``timer`` (a :class:`StepTimer` or None) takes the CUDA
     events of a timed update."""
 
-    def __init__(self, trainer, stats, fp16: bool):
+    def __init__(self, trainer, stats, fp16: bool, timer=None):
         self.trainer = trainer
         self.stats = stats
         self.fp16 = bool(fp16)
-        self.timer = None
+        self.timer = timer
         self.queue = deque()
         self.overflows = 0  # consecutive fp16 overflows
 

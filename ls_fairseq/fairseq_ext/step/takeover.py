@@ -164,24 +164,25 @@ def choose_trainer(cfg, task, model, criterion, quantizer=None, always: bool = F
     if getattr(cfg.optimizer, "ls_trainer", "auto") == "off":
         logger.info("--ls-trainer off: fairseq's own Trainer")
         return Trainer(cfg, task, model, criterion, quantizer)
-    missing = None if always else ls_components_missing(cfg, model, criterion)
-    if missing is not None:
+    if always:  # lightseq-train adapted, checked and patched its run before it started its processes
+        return LSTrainer(cfg, task, model, criterion, quantizer)
+    if ls_components_missing(cfg, model, criterion) is not None:
         return Trainer(cfg, task, model, criterion, quantizer)
-    said = adapt(FlatConfig(cfg), sys.argv)
-    if not always:  # lightseq-train made these before it started its processes
-        from ls_fairseq.fairseq_ext.step import run_checks
+    from ls_fairseq.fairseq_ext.step import run_checks
 
-        if prepare is not None:
-            prepare()
-        first = not cfg.distributed_training.distributed_rank
-        run_checks.prepare_checkpoints(cfg, prog="fairseq-train", first_process=first)
-        run_checks.check_data(cfg, prog="fairseq-train")
-        run_checks.check_device(FlatConfig(cfg), prog="fairseq-train")
-        logger.info("ls_fairseq trains this run on its own trainer (the deferred step, CUDA graphs where the run "
-                    "allows, atomic checkpoints, data checks)%s; not taken over: lightseq-train's split of the CPU "
-                    "cores between the training processes of a machine and its process-group teardown, which "
-                    "belong to its own start; --ls-trainer off keeps fairseq's Trainer",
-                    "; " + "; ".join(said) if said else "")
+    flat = FlatConfig(cfg)
+    said = adapt(flat, sys.argv)
+    if prepare is not None:
+        prepare()
+    first = not cfg.distributed_training.distributed_rank
+    run_checks.prepare_checkpoints(cfg, prog="fairseq-train", first_process=first)
+    run_checks.check_data(cfg, prog="fairseq-train")
+    run_checks.check_device(flat, prog="fairseq-train")
+    logger.info("ls_fairseq trains this run on its own trainer (the deferred step, CUDA graphs where the run "
+                "allows, atomic checkpoints, data checks)%s; not taken over: lightseq-train's split of the CPU "
+                "cores between the training processes of a machine and its process-group teardown, which "
+                "belong to its own start; --ls-trainer off keeps fairseq's Trainer",
+                "; " + "; ".join(said) if said else "")
     return LSTrainer(cfg, task, model, criterion, quantizer)
 
 

@@ -118,8 +118,7 @@ class LSTrainer(Trainer):
                                fp16=self.settings.fp16, bf16=self.settings.bf16)
         self.stats = StepStats(task, self._criterion, self.device, lambda: self.data_parallel_process_group)
         self.timer = StepTimer(self.data_parallel_rank) if self.cuda and env.step_timing() else None
-        self.pending = PendingUpdates(self, self.stats, self.settings.fp16)
-        self.pending.timer = self.timer
+        self.pending = PendingUpdates(self, self.stats, self.settings.fp16, self.timer)
         self.graph_setup = GraphSetup(self, self.settings)
         self.deferred = None  # the DeferredStep of the optimizer below, or None: fairseq's step body
         self.deferred_for = None  # the optimizer the step was chosen for
