@@ -182,14 +182,11 @@ def run_fairseq_main(prog: str, main) -> None:
     and raw text files read with their undecodable lines named; bad input the plugin names (a checkpoint file,
     an option, a data file: InputError) ends it with one line and exit status 1."""
     try:
-        from ls_fairseq.fairseq_ext.checkpoint_files import install_checkpoint_checks
-        from ls_fairseq.fairseq_ext.data_checks import InputError, install_max_tokens_check, install_raw_text_check
+        import ls_fairseq.fairseq_ext  # noqa: F401  (the plugin: fairseq_ext/patches.py installs the checks)
+        from ls_fairseq.fairseq_ext.data_checks import InputError
     except ImportError:  # a broken install: fairseq reports it when it imports the plugin
         main()
         return
-    install_checkpoint_checks()
-    install_max_tokens_check()
-    install_raw_text_check()
     try:
         main()
     except InputError as e:
